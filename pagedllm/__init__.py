@@ -1,0 +1,33 @@
+"""pagedllm: an LLM inference engine built around a paged KV cache.
+
+The public names are imported lazily so that the pure-Python parts (``pagedllm.kv``,
+``pagedllm.scheduler``) can be used, tested and replayed without importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+_LAZY = {
+    "LLM": "pagedllm.engine",
+    "LLMEngine": "pagedllm.engine",
+    "SamplingParams": "pagedllm.sampling_params",
+    "RequestOutput": "pagedllm.outputs",
+    "CompletionOutput": "pagedllm.outputs",
+}
+
+if TYPE_CHECKING:
+    from pagedllm.engine import LLM, LLMEngine
+    from pagedllm.outputs import CompletionOutput, RequestOutput
+    from pagedllm.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

@@ -1,0 +1,86 @@
+"""The attention backend interface and the per-step metadata passed into ``model.forward``.
+
+A step's batch is flat and unpadded: the new tokens of all requests are concatenated, request i
+owning rows ``query_start_loc[i]:query_start_loc[i+1]``. Request i has ``seq_lens[i]`` tokens of
+context *including* its new tokens, so its new tokens sit at positions
+``seq_lens[i] - query_len_i ... seq_lens[i] - 1`` and each attends causally to every earlier
+position (cached context in full, the new chunk causally).
+
+Paged KV layout (per layer, K and V alike)::
+
+    cache[num_blocks, block_size, num_kv_heads, head_dim]
+
+    token position p of request i lives in
+        block  = block_tables[i, p // block_size]
+        offset = p % block_size
+        slot   = block * block_size + offset        (slot_mapping holds this for new tokens)
+
+Block tables are int32, padded on the right with 0 (never read past seq_lens).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything an attention layer needs about the current step (STYLE 7: passed, not ambient)."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    query_start_loc: torch.Tensor  # [B+1] int32: prefix sums of query lengths
+    seq_lens: torch.Tensor  # [B] int32: context length incl. new tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+    # Host copies for backends that dispatch per request (avoid device syncs).
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+
+class AttentionBackend(ABC):
+    """One small interface; backends register by name in ``attention.registry``.
+
+    ``forward`` writes the new K/V into their slots, then attends. Shapes:
+    q [T, Hq, D], k/v [T, Hkv, D], k_cache/v_cache [num_blocks, block_size, Hkv, D] -> [T, Hq, D].
+    Hq is a multiple of Hkv (GQA / MQA). Accumulation is in fp32; the output has q's dtype.
+    """
+
+    name: str = "base"
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor: ...
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new K/V rows [T, Hkv, D] into their cache slots (shared by the CPU backends)."""
+    nb, bs, h, d = k_cache.shape
+    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -1,0 +1,73 @@
+"""The ground-truth attention backend: one request at a time, plain masked softmax in fp32.
+
+Every fast backend is tested against this one. It reads exactly the ``seq_lens[i]`` cached tokens
+of each request (never a padded slot), so it is also the reference for what "correct" means when
+a block holds stale data past the end of a sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.base import AttentionBackend, AttentionMetadata, write_kv
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` cached rows of one request: [seq_len, Hkv, D].
+
+    block_table = [7, 2, 9]   block_size = 4   seq_len = 10
+    positions 0..3 -> block 7, 4..7 -> block 2, 8..9 -> block 9 (offsets 0, 1)
+    """
+    _, block_size, h, d = cache.shape
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    return cache[blocks].reshape(num_blocks * block_size, h, d)[:seq_len]
+
+
+def attention_mask(
+    query_len: int, seq_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    """Bool [query_len, seq_len], True where query row t (at position seq_len - query_len + t)
+    may attend key position j: causal, and within the last ``sliding_window`` positions."""
+    q_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+class TorchRefBackend(AttentionBackend):
+    name = "torch_ref"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        out = torch.empty_like(q)
+        for i in range(meta.num_reqs):
+            start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+            seq_len = meta.seq_lens_cpu[i]
+            if end == start:
+                continue
+            qi = q[start:end].float()  # [n, Hq, D]
+            ki = gather_kv(k_cache, meta.block_tables[i], seq_len).float()  # [L, Hkv, D]
+            vi = gather_kv(v_cache, meta.block_tables[i], seq_len).float()
+            ki = ki.repeat_interleave(group, dim=1)  # [L, Hq, D]
+            vi = vi.repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale  # [Hq, n, L]
+            mask = attention_mask(end - start, seq_len, sliding_window, q.device)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[start:end] = torch.einsum("hqk,khd->qhd", probs, vi).to(q.dtype)
+        return out

@@ -1,0 +1,137 @@
+"""``pagedllm generate | plan`` — the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from pagedllm.config import default_model_path
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (names follow vLLM)")
+    g.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped model)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two, 1..512)")
+    g.add_argument("--kv-cache-memory", default=None, help="KV pool budget, e.g. 2GiB (default: fits --max-num-seqs full requests, <= 4GiB)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-memory)")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--attention-backend", default=None, help="torch_ref | cpu (default: by device)")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        model=a.model,
+        tokenizer=a.tokenizer,
+        dtype=a.dtype,
+        block_size=a.block_size,
+        kv_cache_memory=a.kv_cache_memory,
+        num_kv_blocks=a.num_kv_blocks,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len,
+        enable_prefix_caching=a.enable_prefix_caching,
+        attention_backend=a.attention_backend,
+        seed=a.seed,
+    )
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from pagedllm.engine import LLMEngine
+    from pagedllm.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        n=1,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        min_p=a.min_p,
+        seed=a.sampling_seed,
+        max_tokens=a.max_tokens,
+        stop=a.stop or None,
+        ignore_eos=a.ignore_eos,
+    )
+    engine = LLMEngine.from_args(**_engine_kwargs(a))
+    out = sys.stdout
+    for i, prompt in enumerate(a.prompt):
+        rid = f"cli-{i}"
+        engine.add_request(rid, prompt, params)
+        out.write(prompt)
+        out.flush()
+        t0 = time.perf_counter()
+        n_tokens, reason, shown = 0, None, 0
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                text = o.outputs[0].text  # cumulative; held back while it may begin a stop string
+                out.write(text[shown:])
+                out.flush()
+                shown = len(text)
+                if o.finished:
+                    n_tokens = len(o.outputs[0].token_ids)
+                    reason = o.outputs[0].finish_reason
+        dt = time.perf_counter() - t0
+        out.write("\n")
+        print(
+            f"[{n_tokens} tokens in {dt:.2f}s, {n_tokens / max(dt, 1e-9):.1f} tok/s, finish_reason={reason}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    from pagedllm.engine import build_engine_config, plan_kv_pool
+
+    cfg = build_engine_config(**_engine_kwargs(a))
+    plan = plan_kv_pool(cfg.model, cfg.cache, cfg.scheduler)
+    m = cfg.model
+    print(f"model            {m.model} ({m.architecture}, {m.num_hidden_layers} layers, "
+          f"{m.num_attention_heads} q heads / {m.num_key_value_heads} kv heads, head_dim {m.head_dim}, {m.dtype})")
+    print(f"KV per token     {m.kv_bytes_per_token} bytes")
+    print(f"block            {plan.block_size} tokens = {plan.bytes_per_block} bytes")
+    print(f"pool             {plan.num_blocks} blocks = {plan.num_tokens} tokens = {plan.nbytes / 2**20:.1f} MiB")
+    print(f"max_model_len    {plan.max_model_len} -> {plan.max_concurrent_full_requests} full-length requests fit at once")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference on a paged KV cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts, streamed to stdout")
+    g.add_argument("prompt", nargs="+", help="prompt text (several prompts run one after another)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    _add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    pl = sub.add_parser("plan", help="size the KV pool for a model and budget without loading weights")
+    _add_engine_args(pl)
+    pl.set_defaults(func=cmd_plan)
+    parser.epilog = f"default model: {default_model_path()}"
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

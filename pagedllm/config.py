@@ -1,0 +1,233 @@
+"""Frozen configuration objects.
+
+Configs are built once and never mutated (STYLE 6). Values only known at run time (the number of
+KV blocks actually allocated, eos ids found in the tokenizer) live in their own objects.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+_DTYPE_ALIASES = {
+    "float": "float32",
+    "fp32": "float32",
+    "float32": "float32",
+    "half": "float16",
+    "fp16": "float16",
+    "float16": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+}
+
+
+def default_model_path() -> str:
+    """The small Llama the project trains and ships (pagedllm/assets/default_model)."""
+    return str(Path(__file__).resolve().parent / "assets" / "default_model")
+
+
+def parse_memory(value: str | int | float) -> int:
+    """'4GiB', '512MiB', '2GB', '1e9' or a plain integer of bytes -> bytes."""
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"memory size must be positive, got {value}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B?|B)?\s*", value)
+    if not m:
+        raise ValueError(
+            f"cannot parse memory size {value!r}; use e.g. '4GiB', '512MiB', '2GB' or bytes"
+        )
+    number = float(m.group(1))
+    unit = (m.group(2) or "B").upper()
+    scale = {
+        "B": 1,
+        "K": 1024, "KB": 1000, "KIB": 1024,
+        "M": 1024**2, "MB": 1000**2, "MIB": 1024**2,
+        "G": 1024**3, "GB": 1000**3, "GIB": 1024**3,
+        "T": 1024**4, "TB": 1000**4, "TIB": 1024**4,
+    }[unit]
+    if number <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return int(number * scale)
+
+
+def normalize_dtype(dtype: str, config_dtype: str | None) -> str:
+    if dtype == "auto":
+        resolved = _DTYPE_ALIASES.get(str(config_dtype or "float32").replace("torch.", ""))
+        # Follow the checkpoint, as vLLM does; unknown or missing dtypes fall back to float32.
+        return resolved or "float32"
+    resolved = _DTYPE_ALIASES.get(dtype)
+    if resolved is None:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of auto, {', '.join(SUPPORTED_DTYPES)}")
+    return resolved
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Read RoPE settings the way transformers does.
+
+    transformers >= 5 writes ``rope_parameters`` (with ``rope_theta`` inside); older versions
+    write ``rope_theta`` at top level and ``rope_scaling`` (keys ``type`` or ``rope_type``).
+    Returns (theta, scaling) where scaling is None for plain RoPE, else a dict with ``rope_type``.
+    """
+    params = cfg.get("rope_parameters")
+    scaling: dict[str, Any] | None
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(cfg.get("rope_theta", 10000.0))
+        raw = cfg.get("rope_scaling")
+        scaling = dict(raw) if isinstance(raw, dict) else None
+    if scaling is not None:
+        rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+        scaling.pop("type", None)
+        if rope_type == "default":
+            return theta, None
+        if rope_type not in ("linear", "dynamic", "llama3"):
+            raise ValueError(
+                f"rope type {rope_type!r} is not supported; supported: default, linear, dynamic, llama3"
+            )
+        scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family checkpoint, normalised from its HF config.json."""
+
+    model: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    attention_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    hidden_act: str
+    sliding_window: int | None
+    dtype: str
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, model: str, dtype: str = "auto") -> ModelConfig:
+        path = Path(model)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ValueError(
+                f"model={model!r}: no config.json found; pass a local HF checkpoint directory "
+                f"(config.json + *.safetensors + tokenizer files)"
+            )
+        cfg = json.loads(cfg_file.read_text())
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"model={model!r} has architectures={archs}; pagedllm supports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        n_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // n_heads
+        theta, scaling = _rope_from_hf(cfg)
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act={act!r} is not supported (only silu)")
+        if arch == "Qwen2ForCausalLM":
+            attn_bias = True
+            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        else:
+            attn_bias = bool(cfg.get("attention_bias", False))
+            sliding = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            model=str(path),
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            attention_bias=attn_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            hidden_act=act,
+            sliding_window=int(sliding) if sliding else None,
+            dtype=normalize_dtype(dtype, cfg.get("dtype") or cfg.get("torch_dtype")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K+V per token over all layers at the model dtype."""
+        elem = 4 if self.dtype == "float32" else 2
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None -> default budget (see engine)
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if not (isinstance(bs, int) and 1 <= bs <= 512 and bs & (bs - 1) == 0):
+            raise ValueError(f"block_size={bs!r} must be a power of two in [1, 512]")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} < max_model_len="
+                f"{self.max_model_len} needs chunked prefill; enable it or raise the budget"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    tokenizer: str
+    seed: int = 0
+    device: str = "cpu"
+    attention_backend: str | None = None  # None -> chosen by device
+    extra: dict[str, Any] = field(default_factory=dict)

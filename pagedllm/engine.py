@@ -1,0 +1,428 @@
+"""LLMEngine: step() = schedule -> run -> update. LLM: the offline, vLLM-style API."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    default_model_path,
+    parse_memory,
+)
+from pagedllm.kv.manager import KVCacheManager
+from pagedllm.logging_utils import init_logger
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.request import Logprob, PositionLogprobs, Request, RequestStatus
+from pagedllm.runner.model_runner import ModelRunner, PromptLogprobsChunk, SampledToken
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.scheduler import Scheduler
+from pagedllm.tokenizer import IncrementalDetokenizer, eos_token_ids, get_tokenizer
+
+logger = init_logger(__name__)
+
+DEFAULT_KV_CAP = 4 * 1024**3  # default budget cap: enough for max_num_seqs full requests, <= 4 GiB
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+@dataclass
+class KVPoolPlan:
+    """How the KV pool was sized (logged at start-up, exposed for capacity planning)."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrent_full_requests(self) -> int:
+        return self.num_blocks // -(-self.max_model_len // self.block_size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+def plan_kv_pool(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> KVPoolPlan:
+    per_block = model.kv_bytes_per_token * cache.block_size
+    blocks_per_req = -(-sched.max_model_len // cache.block_size)
+    if cache.num_kv_blocks is not None:
+        num_blocks = cache.num_kv_blocks
+    else:
+        budget = cache.kv_cache_memory
+        if budget is None:
+            budget = min(DEFAULT_KV_CAP, sched.max_num_seqs * blocks_per_req * per_block)
+            budget = max(budget, blocks_per_req * per_block)
+        num_blocks = budget // per_block
+    if num_blocks < blocks_per_req:
+        need = blocks_per_req * per_block
+        raise ValueError(
+            f"max_model_len={sched.max_model_len} needs {blocks_per_req} blocks of "
+            f"{cache.block_size} tokens ({need / 2**20:.1f} MiB) but the KV pool has {num_blocks}; "
+            f"lower --max-model-len or raise --kv-cache-memory / --num-kv-blocks"
+        )
+    return KVPoolPlan(num_blocks, cache.block_size, per_block, sched.max_model_len)
+
+
+@dataclass
+class _Group:
+    """The user's request: n child sequences sharing one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detoks: list[IncrementalDetokenizer]
+    arrival_time: float
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = get_tokenizer(config.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, config.model.eos_token_ids)
+        self.kv_plan = plan_kv_pool(config.model, config.cache, config.scheduler)
+        p = self.kv_plan
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); fits %d requests of "
+            "max_model_len=%d",
+            p.num_blocks, p.block_size, p.num_tokens, p.nbytes / 2**20, config.model.dtype,
+            p.max_concurrent_full_requests, p.max_model_len,
+        )
+        self.kv = KVCacheManager(p.num_blocks, p.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(config, p.num_blocks)
+        self.groups: dict[str, _Group] = {}
+        self._child_to_group: dict[str, tuple[_Group, int]] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_args(cls, **kwargs: Any) -> LLMEngine:
+        return cls(build_engine_config(**kwargs))
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request. Raises ValueError without changing any state."""
+        params = params or SamplingParams()
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        self.scheduler.check_fits(len(ids))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children: list[Request] = []
+        detoks: list[IncrementalDetokenizer] = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(
+                Request(
+                    request_id=child_id,
+                    prompt_token_ids=ids,
+                    params=child_params,
+                    eos_token_ids=self.eos_token_ids,
+                    max_model_len=self.config.scheduler.max_model_len,
+                    priority=priority,
+                    arrival_time=arrival,
+                )
+            )
+            detoks.append(
+                IncrementalDetokenizer(
+                    self.tokenizer, ids, params.stop, params.include_stop_str_in_output,  # type: ignore[arg-type]
+                    params.skip_special_tokens,
+                )
+            )
+        group = _Group(request_id, text, ids, children, detoks, arrival)
+        self.groups[request_id] = group
+        for i, child in enumerate(children):
+            self._child_to_group[child.request_id] = (group, i)
+            self.scheduler.add_request(child)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        else:
+            ids = prompt
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of ints")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains ids outside [0, {vocab}): {bad[:5]}")
+        return None, list(ids)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request; its blocks return to the pool. Returns False if it is unknown."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return False
+        for child in group.children:
+            self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
+            self._child_to_group.pop(child.request_id, None)
+        self.runner.release([c.request_id for c in group.children])
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    # -- the hot loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        self.scheduler.update(sched, {rid: t.token_id for rid, t in result.sampled.items()})
+        return self._process(sched.scheduled, result.sampled, result.prompt_logprobs)
+
+    def _process(self, scheduled, sampled: dict[str, SampledToken], prompt_lps: dict[str, PromptLogprobsChunk]) -> list[RequestOutput]:  # type: ignore[no-untyped-def]
+        touched: dict[str, _Group] = {}
+        now = time.monotonic()
+        for s in scheduled:
+            req = s.request
+            entry = self._child_to_group.get(req.request_id)
+            if entry is None:
+                continue
+            group, idx = entry
+            chunk = prompt_lps.get(req.request_id)
+            if chunk is not None:
+                self._record_prompt_logprobs(req, chunk)
+            tok = sampled.get(req.request_id)
+            if tok is None:
+                continue
+            touched[group.request_id] = group
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self._record_logprobs(req, tok)
+            detok = group.detoks[idx]
+            stop_token = req.is_finished and req.status == RequestStatus.FINISHED_STOPPED
+            new_ids = [] if stop_token and not req.params.include_stop_str_in_output else [tok.token_id]
+            if new_ids:
+                detok.add_tokens(new_ids)
+            if detok.stopped_by is not None and not req.is_finished:
+                req.stop_reason = detok.stopped_by
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        outputs = [self._make_output(g, now) for g in touched.values()]
+        for o in outputs:
+            if o.finished:
+                group = self.groups.pop(o.request_id)
+                ids = [c.request_id for c in group.children]
+                for cid in ids:
+                    self._child_to_group.pop(cid, None)
+                self.runner.release(ids)
+        return outputs
+
+    def _record_logprobs(self, req: Request, tok: SampledToken) -> None:
+        if tok.logprob is not None:
+            req.cumulative_logprob += tok.logprob
+        if req.logprobs is None or tok.logprob is None:
+            return
+        pos: PositionLogprobs = {}
+        for rank, (tid, lp) in enumerate(tok.topk, start=1):
+            pos[tid] = Logprob(lp, rank, self.tokenizer.decode([tid]))
+        pos[tok.token_id] = Logprob(tok.logprob, tok.rank, self.tokenizer.decode([tok.token_id]))
+        req.logprobs.append(pos)
+
+    def _record_prompt_logprobs(self, req: Request, chunk: PromptLogprobsChunk) -> None:
+        assert req.prompt_logprobs is not None
+        if chunk.start != len(req.prompt_logprobs):
+            return  # a recomputation after preemption: these positions are already recorded
+        for j, (lp, rank) in enumerate(zip(chunk.chosen, chunk.ranks)):
+            tid = req.prompt_token_ids[chunk.start + j]
+            pos: PositionLogprobs = {
+                t: Logprob(v, r, self.tokenizer.decode([t]))
+                for r, (t, v) in enumerate(chunk.topk[j], start=1)
+            }
+            pos[tid] = Logprob(lp, rank, self.tokenizer.decode([tid]))
+            req.prompt_logprobs.append(pos)
+
+    def _make_output(self, group: _Group, now: float) -> RequestOutput:
+        outs = []
+        for i, (child, detok) in enumerate(zip(group.children, group.detoks)):
+            finish = child.status.value if child.is_finished else None
+            text = detok.text if finish else detok.text[: len(detok.text) - detok.holdback()]
+            outs.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=child.output_token_ids,
+                    cumulative_logprob=child.cumulative_logprob if child.params.logprobs is not None else None,
+                    logprobs=child.logprobs,
+                    finish_reason=finish,
+                    stop_reason=child.stop_reason,
+                )
+            )
+        finished = all(o.finished for o in outs)
+        first = group.children[0]
+        metrics = RequestMetrics(
+            arrival_time=group.arrival_time,
+            first_token_time=min((c.first_token_time for c in group.children if c.first_token_time), default=None),
+            finished_time=now if finished else None,
+            num_preemptions=sum(c.num_preemptions for c in group.children),
+        )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs,
+            outputs=outs,
+            finished=finished,
+            metrics=metrics,
+        )
+
+    # -- introspection ----------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        live = set(self.scheduler.requests)
+        for rid in live:
+            assert rid in self._child_to_group, f"scheduler request {rid} has no group"
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+
+def build_engine_config(
+    model: str | None = None,
+    tokenizer: str | None = None,
+    dtype: str = "auto",
+    block_size: int = 16,
+    kv_cache_memory: str | int | None = None,
+    num_kv_blocks: int | None = None,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int | None = None,
+    max_model_len: int | None = None,
+    enable_prefix_caching: bool = True,
+    enable_chunked_prefill: bool = True,
+    seed: int = 0,
+    device: str = "cpu",
+    attention_backend: str | None = None,
+) -> EngineConfig:
+    model = model or default_model_path()
+    mcfg = ModelConfig.from_hf(model, dtype)
+    limit = mcfg.max_position_embeddings
+    if max_model_len is None:
+        max_model_len = limit
+    elif max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}; "
+            f"lower --max-model-len"
+        )
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(2048, max_num_seqs) if enable_chunked_prefill else max(max_model_len, 2048)
+    return EngineConfig(
+        model=mcfg,
+        cache=CacheConfig(
+            block_size=block_size,
+            kv_cache_memory=parse_memory(kv_cache_memory) if kv_cache_memory is not None else None,
+            num_kv_blocks=num_kv_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=enable_chunked_prefill,
+        ),
+        tokenizer=tokenizer or model,
+        seed=seed,
+        device=device,
+        attention_backend=attention_backend,
+    )
+
+
+class LLM:
+    """Offline generation, vLLM-style: ``LLM(model=...).generate(prompts, SamplingParams(...))``.
+
+    With no ``model`` the shipped default model (a small Llama trained on Python source) is used.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine.from_args(model=model, **kwargs)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        plist = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(plist)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(plist):
+                raise ValueError(f"got {len(params)} sampling_params for {len(plist)} prompts")
+        prios = list(priority) if priority is not None else [0] * len(plist)
+        if len(prios) != len(plist):
+            raise ValueError(f"got {len(prios)} priorities for {len(plist)} prompts")
+
+        ids = [f"gen-{next(self._counter)}" for _ in plist]
+        added: list[str] = []
+        try:
+            for rid, p, sp, pr in zip(ids, plist, params, prios):
+                self.engine.add_request(rid, p, sp, priority=pr)
+                added.append(rid)
+            return self._run(ids, use_tqdm)
+        finally:
+            for rid in added:  # on error or interrupt nothing stays queued or holds blocks
+                self.engine.abort_request(rid)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        wanted = set(ids)
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # a single list of token ids
+    return items
+

@@ -1,0 +1,236 @@
+"""The block pool: KV blocks, reference counts, the LRU free queue and the prefix-cache index.
+
+Every block is in exactly one of two states::
+
+    referenced   ref_cnt > 0   held by >= 1 block table; never in the free queue
+    free         ref_cnt == 0  in the free queue; if it still carries a block_hash it is
+                               "cached, evictable": a prefix hit can revive it (unlink from
+                               the middle of the queue), an allocation can evict it (pop from
+                               the head, hash dropped from the index)
+
+    free queue:  head ─▶ [b7] ⇄ [b2] ⇄ [b9] ◀─ tail
+                 allocate pops here   freed blocks are appended here  → least recently freed
+                                                                         is evicted first (LRU)
+
+The queue is intrusive (links live on the blocks) so that reviving a cached block from the
+middle of the queue is O(1); ``collections.deque.remove`` would be O(n) on the hot path.
+The pool knows nothing about requests; ``KVCacheManager`` owns the per-request tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+
+class BlockHash(NamedTuple):
+    """Identity of one full, computed block of tokens in a prefix chain.
+
+    ``value`` is the index key; ``parent``, ``token_ids`` and ``extra_keys`` are kept so that a
+    hit is verified against the stored content and a colliding ``value`` never yields a wrong hit.
+    """
+
+    value: int
+    parent: int | None  # value of the previous block's hash; None for the first block
+    token_ids: tuple[int, ...]
+    extra_keys: tuple | None
+
+
+class KVBlock:
+    """One block of ``block_size`` KV slots; ``prev_free``/``next_free`` link the free queue."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        h = None if self.block_hash is None else self.block_hash.token_ids
+        return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash_tokens={h})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks, threaded through ``KVBlock.prev_free/next_free``.
+
+    ``popleft``, ``append`` and ``remove`` are O(1). A block is in the queue iff it is the head
+    or has a ``prev_free`` link; the manager guarantees that iff ``ref_cnt == 0``.
+    """
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self.head: KVBlock | None = None
+        self.tail: KVBlock | None = None
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self.num_free
+
+    def contains(self, block: KVBlock) -> bool:
+        return block.prev_free is not None or self.head is block
+
+    def popleft(self) -> KVBlock:
+        block = self.head
+        if block is None:
+            raise IndexError("pop from an empty free block queue")
+        self.remove(block)
+        return block
+
+    def append(self, block: KVBlock) -> None:
+        assert block.prev_free is None and block.next_free is None and self.head is not block
+        if self.tail is None:
+            self.head = block
+        else:
+            self.tail.next_free = block
+            block.prev_free = self.tail
+        self.tail = block
+        self.num_free += 1
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None:
+            assert self.head is block, f"block {block.block_id} is not in the free queue"
+            self.head = nxt
+        else:
+            prev.next_free = nxt
+        if nxt is None:
+            self.tail = prev
+        else:
+            nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def ids(self) -> list[int]:
+        """Block ids from head (evicted/allocated next) to tail. O(n): tests and debugging."""
+        out, block = [], self.head
+        while block is not None:
+            out.append(block.block_id)
+            block = block.next_free
+        return out
+
+
+class BlockPool:
+    """Owns ``num_blocks`` blocks, their ref counts, the free queue and the hash index.
+
+    Initially every block is free, queued in id order, so a fresh pool hands out 0, 1, 2, ...
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, KVBlock] = {}  # BlockHash.value -> the block that holds it
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref_cnt == 0, including cached-evictable ones."""
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks with ref_cnt > 0."""
+        return 1.0 - len(self.free_queue) / self.num_blocks
+
+    # -- allocation ---------------------------------------------------------------------------
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        """Pop ``n`` blocks from the head of the free queue (LRU), evicting cached ones."""
+        if n > len(self.free_queue):
+            raise ValueError(f"need {n} free KV blocks but only {len(self.free_queue)} are free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference on each block, reviving cached-evictable ones."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference on each block, in the given order; a block whose count reaches 0
+        goes to the tail of the free queue (so earlier blocks in ``blocks`` are evicted first)."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of block {block.block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    # -- prefix-cache index -------------------------------------------------------------------
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        """The cached block with exactly this identity (value AND stored content), or None."""
+        block = self.cached.get(block_hash.value)
+        if block is None or block.block_hash != block_hash:
+            return None  # miss, or a hash collision with different content
+        return block
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Register ``block`` under ``block_hash``. If that value is already indexed (identical
+        content held by another block, or a collision) the existing entry is kept: returns False."""
+        assert block.ref_cnt > 0, f"only a referenced, computed block can be cached ({block})"
+        if block.block_hash is not None or block_hash.value in self.cached:
+            return False
+        block.block_hash = block_hash
+        self.cached[block_hash.value] = block
+        return True
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            del self.cached[block.block_hash.value]
+            block.block_hash = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Refused (False) while any block is referenced."""
+        if len(self.free_queue) != self.num_blocks:
+            return False
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
+    # -- invariants ---------------------------------------------------------------------------
+    def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:
+        """Raise AssertionError if any pool invariant is violated.
+
+        ``expected_refs`` maps block id -> number of holders; absent ids are expected to be 0.
+        """
+        queued: list[int] = []
+        prev: KVBlock | None = None
+        block = self.free_queue.head
+        while block is not None:
+            assert len(queued) < self.num_blocks, "free queue has a cycle"
+            assert block.prev_free is prev, f"broken prev link at block {block.block_id}"
+            queued.append(block.block_id)
+            prev, block = block, block.next_free
+        assert self.free_queue.tail is prev, "free queue tail is not its last block"
+        assert len(queued) == len(self.free_queue), (
+            f"free queue has {len(queued)} blocks but counts {len(self.free_queue)}")
+        in_queue = set(queued)
+        assert len(in_queue) == len(queued), f"a block is queued twice: {queued}"
+        for b in self.blocks:
+            assert b.ref_cnt >= 0, f"negative ref_cnt on {b}"
+            if b.ref_cnt > 0:
+                assert b.block_id not in in_queue, f"referenced block in the free queue: {b}"
+            else:
+                assert b.block_id in in_queue, f"free block missing from the free queue: {b}"
+            if b.block_hash is not None:
+                assert self.cached.get(b.block_hash.value) is b, f"hashed block not indexed: {b}"
+            if expected_refs is not None:
+                want = expected_refs.get(b.block_id, 0)
+                assert b.ref_cnt == want, f"block {b.block_id}: ref_cnt {b.ref_cnt} != {want}"
+        for value, b in self.cached.items():
+            assert b.block_hash is not None and b.block_hash.value == value, (
+                f"index entry {value} -> {b} does not match the block's hash")
+        if expected_refs is not None:
+            unknown = set(expected_refs) - set(range(self.num_blocks))
+            assert not unknown, f"expected refs for unknown block ids {sorted(unknown)}"

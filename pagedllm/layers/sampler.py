@@ -1,0 +1,115 @@
+"""Batched sampling: every per-request parameter lives in a tensor row.
+
+Pipeline over logits [B, V] (fp32):
+  raw log-softmax (for logprobs) -> penalties -> min_tokens bans -> greedy argmax
+  -> temperature -> top-k / top-p / min-p -> exponential-race sampling.
+
+Sampling uses the "exponential race" (argmax of p / E with E ~ Exp(1)), which is equivalent to
+drawing from p. Rows of requests with a ``seed`` draw E from their own torch.Generator, so a
+seeded request gives the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # [B] fp32, 0 = greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None = None  # [B] int64, 0 = off
+    top_p: torch.Tensor | None = None  # [B] fp32
+    min_p: torch.Tensor | None = None  # [B] fp32
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> generator
+    # Penalties (None when no request in the batch uses them).
+    presence_penalty: torch.Tensor | None = None  # [B]
+    frequency_penalty: torch.Tensor | None = None  # [B]
+    repetition_penalty: torch.Tensor | None = None  # [B]
+    output_counts: torch.Tensor | None = None  # [B, V] counts of generated tokens
+    prompt_mask: torch.Tensor | None = None  # [B, V] bool: token occurs in the prompt
+    banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, token ids)
+    max_num_logprobs: int | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] raw logprob of the chosen token
+    ranks: torch.Tensor | None = None  # [B] rank of the chosen token (1 = best)
+    topk_ids: torch.Tensor | None = None  # [B, k]
+    topk_logprobs: torch.Tensor | None = None  # [B, k]
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    if md.output_counts is None:
+        return logits
+    counts = md.output_counts
+    if md.repetition_penalty is not None:
+        # HF / vLLM convention: seen tokens' positive logits divided, negative multiplied.
+        seen = (counts > 0) | (md.prompt_mask if md.prompt_mask is not None else False)
+        rp = md.repetition_penalty.unsqueeze(1).expand_as(logits)
+        penalized = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(seen, penalized, logits)
+    if md.frequency_penalty is not None:
+        logits = logits - md.frequency_penalty.unsqueeze(1) * counts
+    if md.presence_penalty is not None:
+        logits = logits - md.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    if md.min_p is not None:
+        probs = logits.softmax(-1)
+        thresh = probs.amax(-1, keepdim=True) * md.min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
+    if md.top_k is None and md.top_p is None:
+        return logits
+    sorted_logits, idx = logits.sort(-1, descending=True)
+    vocab = logits.shape[-1]
+    if md.top_k is not None:
+        k = torch.where(md.top_k > 0, md.top_k, torch.full_like(md.top_k, vocab)).clamp(max=vocab)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
+    if md.top_p is not None:
+        probs = sorted_logits.softmax(-1)
+        cum_before = probs.cumsum(-1) - probs  # mass strictly before each token
+        drop = cum_before >= md.top_p.unsqueeze(1)
+        drop[:, 0] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+
+
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    """logits [B, V] -> SamplerOutput. Does not modify ``logits``."""
+    logits = logits.float()
+    raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
+    logits = apply_penalties(logits, md)
+    if md.banned:
+        logits = logits.clone()
+        for row, toks in md.banned:
+            logits[row, toks] = float("-inf")
+    greedy_ids = logits.argmax(-1)
+    if md.all_greedy:
+        ids = greedy_ids
+    else:
+        greedy_rows = md.temperature == 0.0
+        temp = torch.where(greedy_rows, torch.ones_like(md.temperature), md.temperature)
+        logits = apply_top_k_top_p_min_p(logits / temp.unsqueeze(1), md)
+        probs = logits.softmax(-1)
+        race = torch.empty_like(probs).exponential_()
+        for row, gen in md.generators.items():
+            race[row].exponential_(generator=gen)
+        ids = torch.where(greedy_rows, greedy_ids, (probs / race).argmax(-1))
+
+    out = SamplerOutput(token_ids=ids)
+    if raw_logprobs is not None:
+        chosen = raw_logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)
+        out.logprobs = chosen
+        out.ranks = (raw_logprobs > chosen.unsqueeze(1)).sum(-1) + 1
+        k = md.max_num_logprobs or 0
+        if k > 0:
+            out.topk_logprobs, out.topk_ids = raw_logprobs.topk(k, dim=-1)
+    return out

@@ -1,0 +1,152 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a flat, unpadded batch with a paged KV cache.
+
+Differences inside the family are config values: GQA/MQA head counts, head_dim independent of
+hidden_size / num_heads, q/k/v bias (Qwen2, or Llama's attention_bias, which also biases o_proj),
+mlp_bias, tied embeddings, and a sliding window handed to the attention backend (Mistral).
+Parameter names mirror HF's, except q|k|v -> qkv_proj and gate|up -> gate_up_proj (fused; see
+``FUSED_WEIGHTS`` and models/loader.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.config import ModelConfig
+from pagedllm.layers import MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
+from pagedllm.layers.rotary import apply_rotary
+from pagedllm.models.base import CausalLM, KVCache
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias
+        )
+        # Qwen2 biases q/k/v only; Llama's attention_bias covers o_proj too.
+        o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=o_bias)
+        self.backend = backend
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = cfg.sliding_window
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        o = self.backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window
+        )
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i], bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, backend)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(positions)  # [T, 1, D/2] each, shared by all layers
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(CausalLM):
+    FUSED_WEIGHTS: dict[str, tuple[str, int]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, backend)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.tie_weights()
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the rotary table covers; max_model_len must not exceed it."""
+        return self.model.rotary_emb.max_positions
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """-> final hidden states [T, hidden] (normed); pick rows, then ``compute_logits``."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] fp32."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,124 @@
+"""One object per request (STYLE 1): token ids and computed count are stored, the rest derived."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = most likely
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob (the chosen token plus the top-k).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(eq=False)
+class Request:
+    """A single sequence being generated.
+
+    ``token_ids`` = prompt + generated tokens. ``num_computed_tokens`` counts the tokens whose
+    K/V are in the cache; the scheduler moves it toward ``num_tokens`` (prefill chunks and decode
+    steps are the same arithmetic). On preemption by recompute it drops back to 0.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 2048
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_seq: int = 0  # FCFS tie-break, assigned by the scheduler
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    token_ids: list[int] = field(init=False)
+    # Sampling outputs, filled by the engine.
+    cumulative_logprob: float = 0.0
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no logprob
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def max_output_tokens(self) -> int:
+        """Tokens this request may still generate in total (max_tokens, capped by max_model_len)."""
+        room = self.max_model_len - self.num_prompt_tokens
+        mt = self.params.max_tokens
+        return room if mt is None else min(mt, room)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Lower = more urgent: priority first, then arrival (FCFS)."""
+        return (self.priority, self.arrival_seq)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """Token-level stop conditions after a new token was appended (stop strings are checked
+        by the detokenizer, which sees text)."""
+        last = self.token_ids[-1]
+        n_out = self.num_output_tokens
+        p = self.params
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and last in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in p.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= self.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,94 @@
+"""Sampling parameters, vLLM-compatible names and defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Invalid values raise ``ValueError`` naming the field and range.
+
+    temperature 0 means greedy. top_k 0 or -1 disables top-k. logprobs=k returns, for every
+    generated token, the k most likely tokens plus the chosen one (raw model log-probabilities,
+    before penalties and temperature). prompt_logprobs=k does the same for prompt tokens (such
+    requests bypass prefix-cache hits, since the logits of cached positions are not recomputed).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name}={getattr(self, name)!r} is invalid; {allowed}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", "must be in [0, 100] (0 = greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "must be an integer >= 0 (0 or -1 disables top-k)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", "must be in (0, 10]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1 or None (up to max_model_len)")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or not 0 <= v <= 20):
+                raise bad(name, "must be None or an integer in [0, 20]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer or None")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self, **changes: object) -> SamplingParams:
+        return replace(self, **changes)  # type: ignore[arg-type]

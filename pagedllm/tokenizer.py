@@ -1,0 +1,102 @@
+"""Tokenizer loading and incremental detokenization."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def get_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with a clearer message
+        raise ValueError(
+            f"cannot load a tokenizer from {path!r} ({type(e).__name__}: {e}); the checkpoint "
+            f"directory needs tokenizer.json or tokenizer.model + tokenizer_config.json"
+        ) from e
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, config_eos: tuple[int, ...]) -> tuple[int, ...]:
+    ids = set(config_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text, one step at a time.
+
+    Byte-level BPE can split one character over several tokens; decoding a window
+    ``ids[prefix_offset:]`` and emitting only what extends ``ids[prefix_offset:read_offset]``
+    keeps multi-byte characters whole: text ending in U+FFFD (an incomplete UTF-8 sequence) is
+    held back until the next token completes it.
+
+    Stop strings are found here, since only text can match them; the output is trimmed at the
+    stop string (kept when ``include_stop_str_in_output``).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.include_stop = include_stop_str_in_output
+        self.skip_special = skip_special_tokens
+        self.ids: list[int] = list(prompt_token_ids[-6:])  # a little context for spacing rules
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.stopped_by: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def add_tokens(self, new_ids: list[int]) -> str:
+        """Append tokens; return the newly readable text (may be "")."""
+        self.ids.extend(new_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        before = len(self.text)
+        self.text += delta
+        if self.stop:
+            self._check_stop(len(delta))
+        return self.text[before:]
+
+    def _check_stop(self, new_chars: int) -> None:
+        for s in self.stop:
+            # A stop string may straddle the old text and the new characters.
+            start = max(0, len(self.text) - new_chars - len(s) + 1)
+            idx = self.text.find(s, start)
+            if idx != -1:
+                self.stopped_by = s
+                self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
+                return
+
+    def holdback(self) -> int:
+        """Characters a streaming client should not see yet: they may begin a stop string."""
+        if not self.stop or self.stopped_by is not None:
+            return 0
+        keep = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:k]):
+                    keep = max(keep, k)
+                    break
+        return keep
+
+
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat_template; use a completion prompt")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -1,0 +1,167 @@
+"""CpuBackend against TorchRefBackend on random paged batches, and write_kv slot placement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedllm.attention import AttentionMetadata, get_backend
+from pagedllm.attention.cpu import CpuBackend
+from pagedllm.attention.torch_ref import TorchRefBackend
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def make_batch(
+    reqs: list[tuple[int, int]], block_size: int, gen: torch.Generator, spare_blocks: int = 3
+) -> tuple[AttentionMetadata, int]:
+    """reqs = [(cached_len, query_len)]; each request gets its own random, non-contiguous blocks.
+
+    Returns the metadata and the number of blocks the cache needs.
+    """
+    need = [-(-(c + n) // block_size) for c, n in reqs]
+    num_blocks = sum(need) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(need)
+    tables = torch.zeros(len(reqs), max_blocks, dtype=torch.int32)
+    slots: list[int] = []
+    qsl = [0]
+    for i, ((cached, n), nb) in enumerate(zip(reqs, need, strict=True)):
+        blocks = [perm.pop() for _ in range(nb)]
+        tables[i, :nb] = torch.tensor(blocks, dtype=torch.int32)
+        slots += [
+            blocks[p // block_size] * block_size + p % block_size for p in range(cached, cached + n)
+        ]
+        qsl.append(qsl[-1] + n)
+    seq_lens = [c + n for c, n in reqs]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        max_query_len=max(n for _, n in reqs),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+    )
+    return meta, num_blocks
+
+
+def run_both(
+    reqs: list[tuple[int, int]],
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    sliding_window: int | None,
+    seed: int = 0,
+    cpu: CpuBackend | None = None,
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    meta, num_blocks = make_batch(reqs, block_size, gen)
+    t = meta.num_tokens
+    q = torch.randn(t, num_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(dtype)
+    # Cached context (and stale data in unused slots) is random too.
+    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    vc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    kc2, vc2 = kc.clone(), vc.clone()
+    scale = head_dim**-0.5
+    ref = TorchRefBackend().forward(q, k, v, kc, vc, meta, scale, sliding_window)
+    out = (cpu or CpuBackend()).forward(q, k, v, kc2, vc2, meta, scale, sliding_window)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+HEADS = [(4, 4), (4, 2), (8, 2), (16, 2), (8, 1)]  # GQA ratios 1, 2, 4, 8; MQA
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("block_size", [1, 2, 16, 64, 256])
+def test_mixed_batch_fp32(num_heads: int, num_kv_heads: int, block_size: int) -> None:
+    # prefill from scratch, prefill chunk after cached context, decodes, a long decode
+    reqs = [(0, 7), (5, 1), (13, 4), (0, 1), (40, 1), (3, 1), (70, 9)]
+    run_both(reqs, block_size, num_heads, num_kv_heads, 64, torch.float32, None)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_head_dims_and_dtypes(head_dim: int, dtype: torch.dtype) -> None:
+    reqs = [(9, 6), (0, 1), (30, 1), (0, 12)]
+    run_both(reqs, 16, 8, 2, head_dim, dtype, None, seed=head_dim)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [1, 3, 8, 100])
+def test_sliding_window(block_size: int, window: int) -> None:
+    reqs = [(0, 20), (17, 5), (25, 1), (2, 1), (50, 3)]
+    run_both(reqs, block_size, 4, 2, 64, torch.float32, window)
+
+
+def test_decode_groups_split() -> None:
+    """Small group budget: decode requests split into several batched calls."""
+    cpu = CpuBackend()
+    cpu.decode_group_bytes = 2 * 30 * 2 * 64 * 4
+    reqs = [(c, 1) for c in (3, 29, 0, 11, 7, 28, 1)] + [(4, 3)] + [(c, 1) for c in (5, 6)]
+    run_both(reqs, 4, 8, 2, 64, torch.float32, None, cpu=cpu)
+    run_both(reqs, 4, 8, 2, 64, torch.float32, 5, cpu=cpu)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    reqs=st.lists(
+        st.tuples(st.integers(0, 60), st.sampled_from([1, 1, 1, 2, 5, 17])), min_size=1, max_size=6
+    ),
+    block_size=st.sampled_from([1, 2, 16, 64, 256]),
+    heads=st.sampled_from(HEADS),
+    head_dim=st.sampled_from([64, 80, 128]),
+    window=st.sampled_from([None, None, 1, 6, 32]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_batches(
+    reqs: list[tuple[int, int]],
+    block_size: int,
+    heads: tuple[int, int],
+    head_dim: int,
+    window: int | None,
+    seed: int,
+) -> None:
+    run_both(reqs, block_size, heads[0], heads[1], head_dim, torch.float32, window, seed=seed)
+
+
+@pytest.mark.parametrize("backend", ["torch_ref", "cpu"])
+def test_write_kv_slots(backend: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    block_size, hkv, d = 4, 2, 8
+    meta, num_blocks = make_batch([(3, 6), (0, 1), (9, 1)], block_size, gen)
+    t = meta.num_tokens
+    q = torch.randn(t, 4, d, generator=gen)
+    k = torch.randn(t, hkv, d, generator=gen)
+    v = torch.randn(t, hkv, d, generator=gen)
+    kc = torch.zeros(num_blocks, block_size, hkv, d)
+    vc = torch.zeros_like(kc)
+    get_backend(backend, "cpu").forward(q, k, v, kc, vc, meta, d**-0.5)
+    # token j of request i sits at block_tables[i, p // bs], offset p % bs, p its position
+    row = 0
+    qsl = meta.query_start_loc_cpu
+    for i in range(meta.num_reqs):
+        for p in range(meta.seq_lens_cpu[i] - (qsl[i + 1] - qsl[i]), meta.seq_lens_cpu[i]):
+            block = int(meta.block_tables[i, p // block_size])
+            assert torch.equal(kc[block, p % block_size], k[row])
+            assert torch.equal(vc[block, p % block_size], v[row])
+            row += 1
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[meta.slot_mapping] = True
+    assert not kc.view(-1, hkv, d)[~written].any() and not vc.view(-1, hkv, d)[~written].any()
+
+
+def test_registry() -> None:
+    assert get_backend(None, "cpu").name == "cpu"
+    assert isinstance(get_backend("torch_ref", "cpu"), TorchRefBackend)
+    with pytest.raises(ValueError, match="cpu.*torch_ref"):
+        get_backend("nope", "cpu")

@@ -1,0 +1,171 @@
+"""Random admit / step / preempt / finish sequences against KVCacheManager (hypothesis).
+
+Besides ``check_integrity()`` after every step, the machine keeps a shadow of the physical KV
+memory: ``shadow[block_id]`` is the token prefix whose KV was last written into that block. A
+prefix hit must land on blocks whose shadow equals the new prompt's prefix (identical content),
+and a request may only ever write into blocks that no other request holds.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from pagedllm.kv.manager import KVCacheManager
+
+TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=12)  # tiny alphabet: prefixes collide
+
+
+class KVMachine(RuleBasedStateMachine):
+    @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 12),
+                caching=st.booleans())
+    def setup(self, block_size: int, num_blocks: int, caching: bool) -> None:
+        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.bs = block_size
+        self.tokens: dict[str, list[int]] = {}  # running requests
+        self.computed: dict[str, int] = {}
+        self.preempted: dict[str, list[int]] = {}
+        self.shadow: dict[int, tuple[int, ...]] = {}
+        self.next_id = 0
+
+    # -- helpers ------------------------------------------------------------------------------
+    def snapshot(self) -> tuple:
+        m = self.m
+        return (m.pool.free_queue.ids(), [b.ref_cnt for b in m.pool.blocks],
+                [b.block_hash for b in m.pool.blocks], dict(m.pool.cached),
+                {r: m.block_table(r) for r in self.tokens})
+
+    def try_allocate(self, rid: str, total: int, prefix=None) -> bool:
+        before = self.snapshot()
+        free = self.m.num_free_blocks
+        needed = self.m.num_blocks_needed(rid, total, prefix)
+        old = self.m.block_table(rid) if self.m.has_request(rid) else []
+        ok = self.m.allocate_slots(rid, total, prefix)
+        assert ok == (needed <= free)
+        if not ok:
+            assert self.snapshot() == before, "a failed allocate_slots changed state"
+            return False
+        table = self.m.block_table(rid)
+        assert len(table) >= -(-total // self.bs) and table[:len(old)] == old
+        assert self.m.num_free_blocks == free - needed
+        hit_ids = prefix.blocks if prefix is not None else []
+        for b in table[len(old) + len(hit_ids):]:
+            assert self.m.pool.blocks[b].ref_cnt == 1, f"fresh block {b} is shared"
+        return True
+
+    def compute(self, rid: str, end: int) -> None:
+        """Write KV for tokens [computed, end) of rid, then hash newly full blocks."""
+        tokens, start, table = self.tokens[rid], self.computed[rid], self.m.block_table(rid)
+        for j in range(start // self.bs, -(-end // self.bs)):
+            block = table[j]
+            assert self.m.pool.blocks[block].ref_cnt == 1, f"{rid} writes into shared block {block}"
+            self.shadow[block] = tuple(tokens[:min((j + 1) * self.bs, end)])
+        self.computed[rid] = end
+        self.m.cache_blocks(rid, tokens, end)
+
+    def admit(self, rid: str, tokens: list[int], chunk: int) -> None:
+        hit = self.m.find_prefix(tokens)
+        assert hit.num_tokens == len(hit.blocks) * self.bs <= len(tokens) - 1
+        if not self.m.enable_prefix_caching:
+            assert hit.blocks == []
+        for i, b in enumerate(hit.blocks):
+            assert self.shadow.get(b) == tuple(tokens[:(i + 1) * self.bs]), "wrong prefix hit"
+        end = min(len(tokens), hit.num_tokens + chunk)
+        if not self.try_allocate(rid, end, hit):
+            return
+        assert self.m.block_table(rid)[:len(hit.blocks)] == hit.blocks
+        self.tokens[rid] = list(tokens)
+        self.computed[rid] = hit.num_tokens
+        self.preempted.pop(rid, None)
+        self.compute(rid, end)
+
+    def free(self, rid: str) -> None:
+        self.m.free(rid)
+        del self.tokens[rid], self.computed[rid]
+
+    # -- rules ----------------------------------------------------------------------------------
+    @rule(prompt=TOKENS, chunk=st.integers(1, 12))
+    def add_request(self, prompt: list[int], chunk: int) -> None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        self.admit(rid, prompt, chunk)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), k=st.integers(1, 5))
+    def step(self, data: st.DataObject, k: int) -> None:
+        """One engine step for a running request: a prefill chunk, or decode k sampled tokens."""
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        tokens, computed = self.tokens[rid], self.computed[rid]
+        if computed == len(tokens):
+            tokens.extend(data.draw(st.lists(st.integers(0, 1), min_size=k, max_size=k)))
+        end = min(len(tokens), computed + k)
+        if self.try_allocate(rid, end):
+            self.compute(rid, end)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.preempted[rid] = self.tokens[rid]
+        self.free(rid)
+
+    @precondition(lambda self: self.preempted)
+    @rule(data=st.data(), chunk=st.integers(1, 16))
+    def readd(self, data: st.DataObject, chunk: int) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.preempted)))
+        self.admit(rid, self.preempted[rid], chunk)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        self.free(data.draw(st.sampled_from(sorted(self.tokens))))
+        self.m.free("already-gone")  # unknown ids are no-ops
+
+    @rule()
+    def finish_all(self) -> None:
+        for rid in sorted(self.tokens):
+            self.free(rid)
+        assert self.m.num_free_blocks == self.m.num_blocks and self.m.usage == 0.0
+
+    @precondition(lambda self: not self.tokens)
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        assert self.m.reset_prefix_cache()
+        assert self.m.pool.cached == {}
+
+    # -- invariants -----------------------------------------------------------------------------
+    @invariant()
+    def integrity(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        self.m.check_integrity()
+        held: dict[int, list[tuple[str, int]]] = {}
+        for rid in self.tokens:
+            for i, b in enumerate(self.m.block_table(rid)):
+                held.setdefault(b, []).append((rid, i))
+        assert self.m.num_free_blocks == self.m.num_blocks - len(held)
+        for b, holders in held.items():
+            if len(holders) > 1:  # shared: same position, identical computed content
+                positions = {i for _, i in holders}
+                assert len(positions) == 1, f"block {b} shared at different positions {holders}"
+                (i,) = positions
+                end = (i + 1) * self.bs
+                contents = {tuple(self.tokens[r][:end]) for r, _ in holders}
+                assert len(contents) == 1, f"block {b} shared by different token prefixes"
+                assert all(self.computed[r] >= end for r, _ in holders), f"block {b} not full"
+        if not self.tokens:
+            assert self.m.num_free_blocks == self.m.num_blocks
+
+
+KVMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestKVManagerProperties = KVMachine.TestCase

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedllm.tokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A byte-level BPE with few merges, so multi-byte characters span several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world def foo(): return bar"] * 10, trainer)
+    path: Path = tmp_path_factory.mktemp("bytetok")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _stream(tok, ids: list[int], **kw) -> tuple[str, list[str]]:  # type: ignore[no-untyped-def]
+    d = IncrementalDetokenizer(tok, [], **{"stop": [], **kw})
+    pieces = [d.add_tokens([t]) for t in ids]
+    return d.text, pieces
+
+
+def test_multibyte_characters_split_across_tokens(byte_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    text = "héllo wörld ✓ 日本語 def foo(): return 🎉"
+    ids = byte_tokenizer.encode(text)
+    assert len(ids) > len(text) // 2
+    full, pieces = _stream(byte_tokenizer, ids)
+    assert full == text
+    assert all("\ufffd" not in p for p in pieces)  # never emits half a character
+
+
+def test_stop_string_trims_output(byte_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    ids = byte_tokenizer.encode("def foo(): return bar")
+    d = IncrementalDetokenizer(byte_tokenizer, [], stop=["return"])
+    for t in ids:
+        d.add_tokens([t])
+        if d.stopped_by:
+            break
+    assert d.stopped_by == "return" and d.text == "def foo(): "
+    d2 = IncrementalDetokenizer(byte_tokenizer, [], stop=["return"], include_stop_str_in_output=True)
+    for t in ids:
+        d2.add_tokens([t])
+        if d2.stopped_by:
+            break
+    assert d2.text == "def foo(): return"
+
+
+def test_holdback_covers_a_possible_stop_prefix(byte_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    d = IncrementalDetokenizer(byte_tokenizer, [], stop=["world"])
+    d.add_tokens(byte_tokenizer.encode("hello wor"))
+    assert d.text.endswith("wor") and d.holdback() == 3
