@@ -1,8 +1,9 @@
-"""``pagedllm generate | plan`` — the command line."""
+"""``pagedllm generate | plan | serve | bench`` — the command line."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from typing import Any
@@ -120,6 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="size the KV pool for a model and budget without loading weights")
     _add_engine_args(pl)
     pl.set_defaults(func=cmd_plan)
+
+    # Subcommands that live beside their feature (server, bench) register themselves; each
+    # module exposes register(subparsers, add_engine_args) and imports heavy deps lazily.
+    for name in ("pagedllm.server.cli", "pagedllm.bench.cli"):
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is not None and name.startswith(e.name):
+                continue  # that feature is not in this tree
+            raise
+        module.register(sub, _add_engine_args, _engine_kwargs)
     parser.epilog = f"default model: {default_model_path()}"
     return parser
 

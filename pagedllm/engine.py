@@ -88,7 +88,8 @@ class _Group:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, scheduler_cls: type[Scheduler] = Scheduler) -> None:
+        """``scheduler_cls`` swaps the batching policy (the benchmarks' contiguous baseline)."""
         self.config = config
         self.tokenizer = get_tokenizer(config.tokenizer)
         self.eos_token_ids = eos_token_ids(self.tokenizer, config.model.eos_token_ids)
@@ -101,15 +102,15 @@ class LLMEngine:
             p.max_concurrent_full_requests, p.max_model_len,
         )
         self.kv = KVCacheManager(p.num_blocks, p.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = scheduler_cls(config.scheduler, self.kv)
         self.runner = ModelRunner(config, p.num_blocks)
         self.groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, tuple[_Group, int]] = {}
         self._ids = itertools.count()
 
     @classmethod
-    def from_args(cls, **kwargs: Any) -> LLMEngine:
-        return cls(build_engine_config(**kwargs))
+    def from_args(cls, scheduler_cls: type[Scheduler] = Scheduler, **kwargs: Any) -> LLMEngine:
+        return cls(build_engine_config(**kwargs), scheduler_cls)
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
