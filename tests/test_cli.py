@@ -1,0 +1,41 @@
+"""The real command line, run as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pagedllm import LLM, SamplingParams
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.run(
+        [sys.executable, "-m", "pagedllm.cli", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_help_lists_subcommands() -> None:
+    r = _cli("--help")
+    assert r.returncode == 0
+    assert "generate" in r.stdout and "plan" in r.stdout
+
+
+def test_generate_streams_the_greedy_continuation(tiny_models: dict[str, Path]) -> None:
+    model = str(tiny_models["llama"])
+    r = _cli("generate", "t5 t6 t7", "--model", model, "--max-tokens", "6", "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    expected = LLM(model=model).generate(
+        "t5 t6 t7", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0].text
+    assert r.stdout == "t5 t6 t7" + expected + "\n"
+    assert "6 tokens" in r.stderr and "finish_reason=length" in r.stderr
+
+
+def test_bad_flags_give_a_clear_error(tiny_models: dict[str, Path]) -> None:
+    r = _cli("generate", "t5", "--model", str(tiny_models["llama"]), "--block-size", "3")
+    assert r.returncode == 2 and "block_size=3 must be a power of two" in r.stderr
+    r = _cli("plan", "--model", str(tiny_models["llama"]), "--num-kv-blocks", "2", "--max-model-len", "512")
+    assert r.returncode == 2 and "lower --max-model-len" in r.stderr
