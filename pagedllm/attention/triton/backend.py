@@ -1,0 +1,128 @@
+"""The Triton attention backend: KV write, split-K paged decode, tiled paged prefill.
+
+Decode rows (query_len == 1) go to ``decode_attention``, every other request's chunk to
+``prefill_attention``; both read the paged cache in place (no gather) and accumulate in fp32.
+The per-step request split (which requests decode, which prefill) is computed once per step from
+the host copies in the metadata and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.attention.triton import common
+from pagedllm.attention.triton.decode import decode_attention
+from pagedllm.attention.triton.kv_write import write_kv
+from pagedllm.attention.triton.prefill import prefill_attention
+
+_NEEDS_CUDA = (
+    "the 'triton' attention backend needs a CUDA GPU (tensors on device='cuda'); on CPU use "
+    "attention_backend='cpu', or set TRITON_INTERPRET=1 before triton is imported to run the "
+    "kernels in Triton's interpreter on CPU tensors (slow; for tests)"
+)
+
+
+class _StepPlan(NamedTuple):
+    """Which requests of a step decode and which prefill, as device index tensors."""
+
+    decode_reqs: torch.Tensor  # [R] int32
+    decode_max_seq_len: int
+    prefill_reqs: torch.Tensor  # [P] int32
+    prefill_max_query_len: int
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention in Triton kernels; see the package README for the kernel design.
+
+    ``decode_target_programs`` and ``decode_min_split_len`` size the split-K grid: enough splits
+    that (decode rows x KV heads x splits) reaches the target, no split under the minimum length.
+    """
+
+    name = "triton"
+    decode_target_programs: int = 256
+    decode_min_split_len: int = 256
+
+    def __init__(self) -> None:
+        if not common.INTERPRET and not torch.cuda.is_available():
+            raise ValueError(_NEEDS_CUDA)
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan: _StepPlan | None = None
+        if torch.cuda.is_available() and not common.INTERPRET:
+            sms = torch.cuda.get_device_properties(
+                torch.cuda.current_device()
+            ).multi_processor_count
+            self.decode_target_programs = 2 * sms
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        assert q.dim() == 3 and k.dim() == 3 and k_cache.dim() == 4, "q/k/v [T, H, D], cache 4-D"
+        assert q.shape[1] % k_cache.shape[2] == 0 and q.shape[2] == k_cache.shape[3]
+        if q.device.type != "cuda" and not common.INTERPRET:
+            raise ValueError(_NEEDS_CUDA)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        plan = self._step_plan(meta, q.device)
+        decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            plan.decode_reqs,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            plan.decode_max_seq_len,
+            scale,
+            sliding_window,
+            target_programs=self.decode_target_programs,
+            min_split_len=self.decode_min_split_len,
+        )
+        prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            plan.prefill_reqs,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            plan.prefill_max_query_len,
+            scale,
+            sliding_window,
+        )
+        return out
+
+    def _step_plan(self, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
+        """The step's decode/prefill split, cached on the metadata object's identity (the model
+        runner builds a fresh AttentionMetadata per step and never mutates it)."""
+        if meta is self._plan_meta and self._plan is not None:
+            return self._plan
+        qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        decode: list[int] = []
+        prefill: list[int] = []
+        for i in range(meta.num_reqs):
+            n = qsl[i + 1] - qsl[i]
+            if n == 1:
+                decode.append(i)
+            elif n > 1:
+                prefill.append(i)
+        self._plan_meta = meta
+        self._plan = _StepPlan(
+            decode_reqs=torch.tensor(decode, dtype=torch.int32, device=device),
+            decode_max_seq_len=max((seq_lens[i] for i in decode), default=0),
+            prefill_reqs=torch.tensor(prefill, dtype=torch.int32, device=device),
+            prefill_max_query_len=max((qsl[i + 1] - qsl[i] for i in prefill), default=0),
+        )
+        return self._plan

@@ -1,0 +1,316 @@
+"""TritonBackend against TorchRefBackend, run on CPU tensors in Triton's interpreter.
+
+TRITON_INTERPRET must be set before triton is first imported (``@triton.jit`` picks the
+interpreter at decoration time). The default suite runs a handful of representative shapes; the
+full matrix (GQA x block sizes x head dims x dtypes, windows, random batches, compiling the
+kernels for sm_80/sm_90, the engine end to end) is marked slow: ``pytest -m slow``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (pip install 'pagedllm[cuda]')")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from test_backends import HEADS, TOL, make_batch  # noqa: E402
+
+from pagedllm.attention import get_backend, registry  # noqa: E402
+from pagedllm.attention.torch_ref import TorchRefBackend  # noqa: E402
+from pagedllm.attention.triton import TritonBackend, common  # noqa: E402
+from pagedllm.attention.triton.decode import DecodeSplits, decode_tile_n  # noqa: E402
+from pagedllm.attention.triton.kv_write import write_kv  # noqa: E402
+
+if not common.INTERPRET and not torch.cuda.is_available():
+    pytest.skip(
+        "triton was imported without TRITON_INTERPRET=1 and there is no GPU",
+        allow_module_level=True,
+    )
+DEVICE = "cpu" if common.INTERPRET else "cuda"
+# A NaN/overflow warning from the interpreter means some lane read memory it should not have.
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+# The interpreter's fp32 dots are exact fp32 (numpy); fp16/bf16 as for the CPU backend.
+TRITON_TOL = {**TOL, torch.float32: 2e-5}
+
+
+def run_both(
+    reqs: list[tuple[int, int]],
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    sliding_window: int | None = None,
+    seed: int = 0,
+    min_split_len: int | None = None,
+) -> None:
+    """Same random paged batch through torch_ref and triton: same output, same caches."""
+    gen = torch.Generator().manual_seed(seed)
+    meta, num_blocks = make_batch(reqs, block_size, gen)
+    t = meta.num_tokens
+    # q/k/v as slices of one fused projection, like the model's (non-contiguous rows).
+    qkv = torch.randn(t, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    kc = torch.randn(shape, generator=gen).to(dtype)
+    vc = torch.randn(shape, generator=gen).to(dtype)
+    kc2, vc2 = kc.clone(), vc.clone()
+    scale = head_dim**-0.5
+    ref = TorchRefBackend().forward(q, k, v, kc, vc, meta, scale, sliding_window)
+
+    backend = TritonBackend()
+    if min_split_len is not None:
+        backend.decode_min_split_len = min_split_len
+    dev = torch.device(DEVICE)
+    meta.slot_mapping, meta.query_start_loc = (
+        meta.slot_mapping.to(dev),
+        meta.query_start_loc.to(dev),
+    )
+    meta.seq_lens, meta.block_tables = meta.seq_lens.to(dev), meta.block_tables.to(dev)
+    kc2, vc2 = kc2.to(dev), vc2.to(dev)
+    out = backend.forward(
+        q.to(dev), k.to(dev), v.to(dev), kc2, vc2, meta, scale, sliding_window
+    ).cpu()
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = TRITON_TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    assert torch.equal(kc, kc2.cpu()) and torch.equal(vc, vc2.cpu())
+
+
+# prefill from scratch, a chunk after cached context, decodes (one at position 0), long ones
+MIXED = [(0, 7), (5, 1), (13, 4), (0, 1), (40, 1), (3, 1), (70, 9)]
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,block_size,head_dim,dtype",
+    [
+        (4, 4, 16, 64, torch.float32),  # MHA, tiles span several blocks
+        (8, 2, 32, 80, torch.float16),  # GQA 4, non-pow2 head dim
+        (16, 2, 256, 64, torch.float32),  # GQA 8, a tile inside one large block
+        (8, 1, 64, 128, torch.float16),  # MQA
+    ],
+)
+def test_mixed_batch(
+    num_heads: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    run_both(MIXED, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=block_size)
+
+
+def test_split_k_decode() -> None:
+    """Long decodes with several splits, ragged so some splits of short requests are empty."""
+    reqs = [(299, 1), (3, 1), (150, 1), (64, 1), (191, 1), (20, 6)]
+    tile = decode_tile_n(64)
+    splits = DecodeSplits.choose(5, 2, 300, tile, target_programs=256, min_split_len=64)
+    assert splits.num_splits >= 3 and splits.split_len % tile == 0
+    run_both(reqs, 16, 8, 2, 64, torch.float32, min_split_len=64)
+    run_both(reqs, 32, 8, 2, 80, torch.float16, sliding_window=70, min_split_len=64, seed=1)
+
+
+@pytest.mark.parametrize("window", [1, 8, 33])
+def test_sliding_window(window: int) -> None:
+    reqs = [(0, 20), (17, 5), (25, 1), (2, 1), (90, 70)]
+    run_both(reqs, 16, 4, 2, 64, torch.float32, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_slots(dtype: torch.dtype) -> None:
+    """Every new row lands exactly at block_tables[i, p // bs], offset p % bs; nothing else moves."""
+    gen = torch.Generator().manual_seed(1)
+    block_size, hkv, d = 4, 3, 80  # non-pow2 heads and head dim: masked tiles
+    meta, num_blocks = make_batch([(3, 6), (0, 1), (9, 1), (0, 5)], block_size, gen)
+    t = meta.num_tokens
+    kv = torch.randn(t, 2 * hkv, d, generator=gen).to(dtype)
+    k, v = kv[:, :hkv], kv[:, hkv:]  # non-contiguous rows
+    kc = torch.zeros(num_blocks, block_size, hkv, d, dtype=dtype, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    write_kv(k.to(DEVICE), v.to(DEVICE), kc, vc, meta.slot_mapping.to(DEVICE))
+    kc, vc = kc.cpu(), vc.cpu()
+    row = 0
+    qsl = meta.query_start_loc_cpu
+    for i in range(meta.num_reqs):
+        for p in range(meta.seq_lens_cpu[i] - (qsl[i + 1] - qsl[i]), meta.seq_lens_cpu[i]):
+            block = int(meta.block_tables[i, p // block_size])
+            assert torch.equal(kc[block, p % block_size], k[row])
+            assert torch.equal(vc[block, p % block_size], v[row])
+            row += 1
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[meta.slot_mapping] = True
+    assert not kc.view(-1, hkv, d)[~written].any() and not vc.view(-1, hkv, d)[~written].any()
+
+
+def test_registry_and_cuda_requirement(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(get_backend("triton", DEVICE), TritonBackend)
+    if torch.cuda.is_available():
+        return
+    monkeypatch.setattr(common, "INTERPRET", False)
+    with pytest.raises(ValueError, match="CUDA GPU.*TRITON_INTERPRET=1"):
+        TritonBackend()
+
+
+def test_missing_triton_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    for name in [m for m in sys.modules if m.startswith("pagedllm.attention.triton")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "triton", None)  # "import triton" raises ImportError
+    with pytest.raises(ImportError, match=r'pip install "pagedllm\[cuda\]"'):
+        importlib.import_module("pagedllm.attention.triton")
+    monkeypatch.delitem(registry._BACKENDS, "triton")
+    with pytest.raises(ValueError, match=r'pip install "pagedllm\[cuda\]"'):
+        get_backend("triton", "cuda")
+
+
+# ---------------------------------------------------------------------------------- slow matrix
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32, 64, 128, 256])
+def test_gqa_and_block_sizes(num_heads: int, num_kv_heads: int, block_size: int) -> None:
+    run_both(MIXED, block_size, num_heads, num_kv_heads, 64, torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_head_dims_and_dtypes(head_dim: int, dtype: torch.dtype) -> None:
+    reqs = [(9, 6), (0, 1), (30, 1), (0, 12), (100, 1)]
+    run_both(reqs, 16, 8, 2, head_dim, dtype, seed=head_dim, min_split_len=32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("window", [1, 3, 8, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sliding_window_matrix(block_size: int, window: int, dtype: torch.dtype) -> None:
+    reqs = [(0, 20), (17, 5), (25, 1), (2, 1), (50, 3), (200, 1)]
+    run_both(reqs, block_size, 8, 2, 80, dtype, window, min_split_len=64)
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None)
+@given(
+    reqs=st.lists(
+        st.tuples(st.integers(0, 150), st.sampled_from([1, 1, 1, 2, 5, 17, 70])),
+        min_size=1,
+        max_size=6,
+    ),
+    block_size=st.sampled_from([1, 16, 32, 64, 256]),
+    heads=st.sampled_from(HEADS),
+    head_dim=st.sampled_from([64, 80, 128]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    window=st.sampled_from([None, None, 1, 6, 32]),
+    min_split_len=st.sampled_from([64, 256]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_batches(
+    reqs: list[tuple[int, int]],
+    block_size: int,
+    heads: tuple[int, int],
+    head_dim: int,
+    dtype: torch.dtype,
+    window: int | None,
+    min_split_len: int,
+    seed: int,
+) -> None:
+    run_both(reqs, block_size, heads[0], heads[1], head_dim, dtype, window, seed, min_split_len)
+
+
+def test_engine_greedy_matches_cpu(tiny_models: dict[str, Path]) -> None:
+    """The whole engine with the triton backend (interpreted) gives the cpu backend's tokens."""
+    from pagedllm import LLM, SamplingParams
+
+    if not common.INTERPRET:
+        pytest.skip("the CPU engine path runs the triton backend only under TRITON_INTERPRET=1")
+    prompts = ["t5 t6 t7 t8 t9 t10 t11 t12 t13", "t9 t9", "t40 " * 30, "t7"]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for backend in ("cpu", "triton"):
+        llm = LLM(
+            model=str(tiny_models["llama"]),
+            block_size=16,
+            num_kv_blocks=64,
+            max_model_len=256,
+            max_num_batched_tokens=32,  # chunked prefill mixed with decodes
+            attention_backend=backend,
+        )
+        assert llm.engine.runner.backend.name == backend
+        res = llm.generate(prompts, sp, use_tqdm=False)
+        outs[backend] = [r.outputs[0].token_ids for r in res]
+    assert outs["triton"] == outs["cpu"]
+
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from pagedllm.attention.triton import decode, kv_write, prefill
+
+    def compile_for(kernel, ptrs, consts, arch):
+        sig = {}
+        for name in kernel.arg_names:
+            if name in consts:
+                sig[name] = "constexpr"
+            elif name.endswith("_ptr"):
+                sig[name] = ptrs.get(name, "*i32")
+            else:
+                sig[name] = "fp32" if name == "scale_log2" else "i32"
+        src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
+        c = triton.compile(src, target=GPUTarget("cuda", arch, 32))
+        limit = 232448 if arch >= 90 else 166912
+        assert c.metadata.shared <= limit, (kernel, consts, c.metadata.shared)
+
+    for arch, dt, d, group, bs in [
+        (90, "fp16", 128, 8, 16), (90, "bf16", 80, 4, 256), (90, "fp32", 256, 1, 32),
+        (80, "fp16", 256, 8, 16), (80, "bf16", 64, 1, 128),
+    ]:
+        upcast = dt == "fp32"
+        prec = "ieee" if upcast else "tf32"
+        bd = triton.next_power_of_2(d)
+        data = {n: "*" + dt for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+        for split in (False, True):
+            ptrs = {**data, "out_ptr": "*fp32", "lse_ptr": "*fp32"} if split else data
+            compile_for(decode._decode_kernel, ptrs, dict(
+                GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=bs,
+                TILE_N=decode.decode_tile_n(d), BLOCK_D=bd, USE_WINDOW=split, SPLIT=split,
+                DOT_FP32=upcast, PRECISION=prec), arch)
+        compile_for(decode._merge_kernel, {"out_ptr": "*" + dt, "part_ptr": "*fp32",
+                    "lse_ptr": "*fp32"}, dict(SPLITS_PAD=16, BLOCK_D=bd), arch)
+        bm, tn = prefill.prefill_tiles(d, group)
+        compile_for(prefill._prefill_kernel, data, dict(
+            GROUP=group, BLOCK_M=bm, BLOCK_Q=bm // group, BLOCK_SIZE=bs, TILE_N=tn, BLOCK_D=bd,
+            USE_WINDOW=group == 4, DOT_FP32=upcast, PRECISION=prec), arch)
+        compile_for(kv_write._kv_write_kernel, {"k_ptr": "*" + dt, "v_ptr": "*" + dt,
+                    "k_cache_ptr": "*" + dt, "v_cache_ptr": "*" + dt, "slot_ptr": "*i64"},
+                    dict(BLOCK_SIZE=bs, BLOCK_H=8, BLOCK_D=bd), arch)
+    print("compiled")
+    """
+)
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_gpu() -> None:
+    """The interpreter checks semantics, not GPU codegen: compile each kernel ahead of time for
+    sm_80 and sm_90 (no GPU needed; triton ships ptxas) and check the shared-memory budget."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    res = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True
+    )
+    if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr.lower():
+        pytest.skip(f"no ptxas to compile with: {res.stderr[-300:]}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "compiled" in res.stdout
