@@ -191,8 +191,25 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; None -> default budget (see engine)
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
     enable_prefix_caching: bool = True
+    swap_space: int = 0  # bytes of host memory for swapped-out KV blocks (0 = no host tier)
+    # Elastic pool: start with ``initial_num_kv_blocks`` and grow in chunks of ``grow_chunk``
+    # blocks up to the budget when short; shrink back after compaction when idle.
+    initial_num_kv_blocks: int | None = None
+    grow_chunk: int = 64
+    # Compaction triggers (``LLMEngine.defragment`` is always available on demand): every N steps,
+    # and/or when kv utilization (live tokens / slots of used blocks) stays below a threshold for
+    # ``compact_window_steps`` consecutive steps.
+    compact_every_n_steps: int | None = None
+    compact_below_utilization: float | None = None
+    compact_window_steps: int = 16
 
     def __post_init__(self) -> None:
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space={self.swap_space} must be >= 0 bytes")
+        if self.initial_num_kv_blocks is not None and self.initial_num_kv_blocks < 1:
+            raise ValueError(f"initial_num_kv_blocks={self.initial_num_kv_blocks} must be >= 1")
+        if self.grow_chunk < 1:
+            raise ValueError(f"grow_chunk={self.grow_chunk} must be >= 1")
         bs = self.block_size
         if not (isinstance(bs, int) and 1 <= bs <= 512 and bs & (bs - 1) == 0):
             raise ValueError(f"block_size={bs!r} must be a power of two in [1, 512]")
@@ -206,8 +223,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    # Priorities (lower value = more urgent). Requests with priority <= urgent_priority form the
+    # urgent class; only they may take the last ``reserved_fraction`` of the KV blocks.
+    reserved_fraction: float = 0.1
+    urgent_priority: int = 0
+    preemption_mode: str = "recompute"  # "recompute" | "swap" | "auto"
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.reserved_fraction < 1.0:
+            raise ValueError(f"reserved_fraction={self.reserved_fraction} must be in [0, 1)")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} must be one of "
+                             "'recompute', 'swap', 'auto'")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.max_num_batched_tokens < 1:

@@ -6,7 +6,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import (
     CacheConfig,
@@ -17,6 +17,8 @@ from pagedllm.config import (
     parse_memory,
 )
 from pagedllm.kv.manager import KVCacheManager
+from pagedllm.kv.swap import PreemptionCost
+from pagedllm.kv_preheat import KVMemoryController
 from pagedllm.logging_utils import init_logger
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.request import Logprob, PositionLogprobs, Request, RequestStatus
@@ -26,6 +28,9 @@ from pagedllm.scheduler import Scheduler
 from pagedllm.tokenizer import IncrementalDetokenizer, eos_token_ids, get_tokenizer
 
 logger = init_logger(__name__)
+
+if TYPE_CHECKING:
+    from pagedllm.beam_search import BeamSearchOutput
 
 DEFAULT_KV_CAP = 4 * 1024**3  # default budget cap: enough for max_num_seqs full requests, <= 4 GiB
 
@@ -101,9 +106,14 @@ class LLMEngine:
             p.num_blocks, p.block_size, p.num_tokens, p.nbytes / 2**20, config.model.dtype,
             p.max_concurrent_full_requests, p.max_model_len,
         )
-        self.kv = KVCacheManager(p.num_blocks, p.block_size, config.cache.enable_prefix_caching)
+        start = min(config.cache.initial_num_kv_blocks or p.num_blocks, p.num_blocks)
+        self.kv = KVCacheManager(start, p.block_size, config.cache.enable_prefix_caching,
+                                 num_host_blocks=config.cache.swap_space // p.bytes_per_block)
+        self.kv.set_max_num_blocks(p.num_blocks)  # an elastic pool grows up to the budget
         self.scheduler = scheduler_cls(config.scheduler, self.kv)
-        self.runner = ModelRunner(config, p.num_blocks)
+        self.scheduler.cost_model = preemption_cost(config, p.bytes_per_block)
+        self.runner = ModelRunner(config, start)
+        self.memory = KVMemoryController(self)
         self.groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, tuple[_Group, int]] = {}
         self._ids = itertools.count()
@@ -153,10 +163,15 @@ class LLMEngine:
                 )
             )
         group = _Group(request_id, text, ids, children, detoks, arrival)
-        self.groups[request_id] = group
         for i, child in enumerate(children):
             self._child_to_group[child.request_id] = (group, i)
-            self.scheduler.add_request(child)
+        try:  # n > 1: children fork the first child's prompt blocks (copy-on-write)
+            self.scheduler.add_request(children[0], forks=children[1:])
+        except Exception:
+            for child in children:
+                self._child_to_group.pop(child.request_id, None)
+            raise
+        self.groups[request_id] = group
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -197,10 +212,13 @@ class LLMEngine:
 
     # -- the hot loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.memory.before_step()  # elastic pool growth
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         self.scheduler.update(sched, {rid: t.token_id for rid, t in result.sampled.items()})
-        return self._process(sched.scheduled, result.sampled, result.prompt_logprobs)
+        outputs = self._process(sched.scheduled, result.sampled, result.prompt_logprobs)
+        self.memory.after_step()  # compaction triggers, shrink when idle
+        return outputs
 
     def _process(self, scheduled, sampled: dict[str, SampledToken], prompt_lps: dict[str, PromptLogprobsChunk]) -> list[RequestOutput]:  # type: ignore[no-untyped-def]
         touched: dict[str, _Group] = {}
@@ -308,6 +326,58 @@ class LLMEngine:
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
+    # -- KV memory management ---------------------------------------------------------------------
+    def preheat(self, prompts: Sequence[PromptType] | str) -> int:
+        """Warm-up: prefill ``prompts`` (a list, or a file with one prompt per line: text, or a
+        JSON list of token ids) and pin their full prefix blocks in the cache.
+
+        Trade-off: pinned blocks are never evicted, so requests sharing these prefixes (system
+        prompts known in advance) always hit, at the price of that many blocks taken from the
+        pool for good (``kv.unpin_all()`` releases them). Returns the number of pinned blocks.
+        """
+        from pagedllm.kv_preheat import load_prompts
+
+        items = load_prompts(prompts) if isinstance(prompts, str) else list(prompts)
+        if self.has_unfinished_requests():
+            raise RuntimeError("preheat needs an idle engine")
+        ids = [self._tokenize(p)[1] for p in items]
+        sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        for i, tok in enumerate(ids):
+            self.add_request(f"__preheat__/{i}", {"prompt_token_ids": tok}, sp)
+        while self.has_unfinished_requests():
+            self.step()
+        pinned = sum(self.kv.pin(tok) for tok in ids)
+        self.kv.stats.reset()
+        logger.info("preheated %d prompts: %d KV blocks pinned", len(ids), pinned)
+        return pinned
+
+    def defragment(self) -> int:
+        """Compact now: live blocks move to the lowest ids. Returns the number of blocks moved."""
+        return self.memory.defragment()
+
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """Prompt tokens looked up at admission (``queries``), found cached (``hits``)."""
+        st = self.kv.stats
+        return {"queries": st.queries, "hits": st.hits, "hit_rate": st.hit_rate}
+
+    def kv_stats(self) -> dict[str, Any]:
+        from pagedllm.kv_preheat import kv_stats
+
+        return kv_stats(self.scheduler, self.kv)
+
+
+def preemption_cost(config: EngineConfig, bytes_per_block: int) -> PreemptionCost:
+    """Rough per-victim costs for preemption_mode="auto": 2 FLOPs per weight per token against
+    host<->device bandwidth (assumed throughputs: CPU 5e10 FLOP/s and 5e9 B/s; CUDA 5e13 FLOP/s
+    and 1.2e10 B/s over PCIe)."""
+    m = config.model
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    per_layer = m.hidden_size * (2 * q + 2 * kv) + 3 * m.hidden_size * m.intermediate_size
+    params = m.num_hidden_layers * per_layer + m.vocab_size * m.hidden_size
+    cuda = config.device.startswith("cuda")
+    return PreemptionCost(2.0 * params, float(bytes_per_block), 5e13 if cuda else 5e10,
+                          1.2e10 if cuda else 5e9)
+
 
 def build_engine_config(
     model: str | None = None,
@@ -324,6 +394,15 @@ def build_engine_config(
     seed: int = 0,
     device: str = "cpu",
     attention_backend: str | None = None,
+    swap_space: float = 0,
+    preemption_mode: str = "recompute",
+    reserved_fraction: float = 0.1,
+    urgent_priority: int = 0,
+    initial_num_kv_blocks: int | None = None,
+    grow_chunk: int = 64,
+    compact_every_n_steps: int | None = None,
+    compact_below_utilization: float | None = None,
+    compact_window_steps: int = 16,
 ) -> EngineConfig:
     model = model or default_model_path()
     mcfg = ModelConfig.from_hf(model, dtype)
@@ -344,12 +423,21 @@ def build_engine_config(
             kv_cache_memory=parse_memory(kv_cache_memory) if kv_cache_memory is not None else None,
             num_kv_blocks=num_kv_blocks,
             enable_prefix_caching=enable_prefix_caching,
+            swap_space=int(swap_space * 1024**3),  # GiB, as vLLM's --swap-space
+            initial_num_kv_blocks=initial_num_kv_blocks,
+            grow_chunk=grow_chunk,
+            compact_every_n_steps=compact_every_n_steps,
+            compact_below_utilization=compact_below_utilization,
+            compact_window_steps=compact_window_steps,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
+            reserved_fraction=reserved_fraction,
+            urgent_priority=urgent_priority,
+            preemption_mode=preemption_mode,
         ),
         tokenizer=tokenizer or model,
         seed=seed,
@@ -364,9 +452,21 @@ class LLM:
     With no ``model`` the shipped default model (a small Llama trained on Python source) is used.
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None,
+                 preheat_prompts: Sequence[PromptType] | str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine.from_args(model=model, **kwargs)
         self._counter = itertools.count()
+        if preheat_prompts is not None:
+            self.engine.preheat(preheat_prompts)
+
+    def get_prefix_cache_stats(self) -> dict[str, float]:
+        return self.engine.prefix_cache_stats()
+
+    def defragment(self) -> int:
+        return self.engine.defragment()
+
+    def kv_stats(self) -> dict[str, Any]:
+        return self.engine.kv_stats()
 
     def get_tokenizer(self):  # type: ignore[no-untyped-def]
         return self.engine.tokenizer
@@ -399,6 +499,15 @@ class LLM:
         finally:
             for rid in added:  # on error or interrupt nothing stays queued or holds blocks
                 self.engine.abort_request(rid)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], beam_width: int,
+                    max_tokens: int) -> list[BeamSearchOutput]:
+        """Beam search; beams share KV blocks by fork (see ``pagedllm.beam_search``). Returns,
+        per prompt, ``beam_width`` sequences best first with their summed logprobs."""
+        from pagedllm.beam_search import beam_search
+
+        ids = [self.engine._tokenize(p)[1] for p in _as_prompt_list(prompts)]
+        return beam_search(self.engine, ids, beam_width, max_tokens)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -26,8 +26,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
+    stop: list[str] = field(default_factory=list)  # a single str is accepted too
+    stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -35,9 +35,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
+        stop: object = self.stop
+        self.stop = [stop] if isinstance(stop, str) else list(self.stop or [])
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if self.top_k == -1:
             self.top_k = 0

@@ -4,62 +4,41 @@ Each step moves requests' ``num_computed_tokens`` toward ``num_tokens`` inside o
 ``max_num_batched_tokens`` tokens and at most ``max_num_seqs`` running requests. A decode is a
 1-token move, a prefill chunk a longer one; both share the step (STYLE 2).
 
+Priorities: lower ``priority`` = more urgent (as in vLLM); ties go by arrival. Requests with
+``priority <= urgent_priority`` (default 0, so by default every request) form the *urgent class*.
+The last ``reserved_fraction`` of the pool's blocks (``reserved_blocks``) is theirs: a less urgent
+request may not allocate into it, unless it is the only running request (so that it can always
+make progress; an urgent arrival then preempts it).
+
 Order of a step:
   1. running requests, most urgent first, each gets the tokens it needs (capped by the budget);
      when the KV pool has no block for one, the least urgent running request (highest priority
-     value, latest arrival) is preempted by recompute: blocks freed, back to the waiting queue;
-  2. if nothing was preempted, waiting requests are admitted in (priority, arrival) order while
-     budget, ``max_num_seqs`` and free blocks allow, reusing cached prefix blocks.
+     value, latest arrival) is preempted (recompute: blocks freed, back to the waiting queue;
+     swap: blocks copied to the host tier, see ``pagedllm.kv.swap``);
+  2. if nothing was preempted for memory, swapped-out and waiting requests are admitted, most
+     urgent first, while budget, ``max_num_seqs`` and free blocks allow, reusing cached prefix
+     blocks. A request that cannot be admitted preempts running requests that are strictly less
+     urgent than it (unscheduling them from this step) until it fits.
 """
-
 from __future__ import annotations
 
 import bisect
 import heapq
 import itertools
-from dataclasses import dataclass, field
+import logging
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.kv.manager import KVCacheManager
+from pagedllm.kv.manager import KVCacheManager, PrefixHit
+from pagedllm.kv.swap import PreemptionCost
 from pagedllm.request import Request, RequestStatus
+from pagedllm.scheduler_memory import PreemptionMixin, ScheduledRequest, SchedulerOutput
+
+__all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput"]
+
+logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    block_table: list[int]
-
-    @property
-    def start(self) -> int:
-        """Position of the first new token (== num_computed_tokens at schedule time)."""
-        return self.request.num_computed_tokens
-
-    @property
-    def end(self) -> int:
-        return self.request.num_computed_tokens + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the request, so a new token is sampled."""
-        return self.end == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-class Scheduler:
+class Scheduler(PreemptionMixin):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
@@ -67,17 +46,39 @@ class Scheduler:
         self.running: list[Request] = []  # kept sorted by sort_key
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+        self.swapped: list[Request] = []  # preempted to the host tier, kept sorted by sort_key
         self.num_preemptions = 0
+        # by mechanism (recompute, swap) and, separately, how many were for a more urgent request
+        self.preemptions_by_kind: dict[str, int] = {"recompute": 0, "swap": 0, "priority": 0}
+        self.cost_model = PreemptionCost()  # for preemption_mode="auto"; the engine refines it
+        # n > 1: parent id -> children forked from it once its prompt (less the last token) is in
+        self._forks: dict[str, list[Request]] = {}
+        self._fork_parent: dict[str, str] = {}  # pending child id -> parent id
 
     # -- queue management -------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
-            raise ValueError(f"request_id {req.request_id!r} is already in use")
+    def add_request(self, req: Request, forks: list[Request] | None = None) -> None:
+        """Queue ``req``. ``forks`` (n > 1 siblings with the same prompt) are not prefilled: when
+        ``req`` has computed all but the last prompt token they fork its block table (shared by
+        reference count, copy-on-write) and join the running batch."""
+        forks = list(forks or [])
+        for r in [req, *forks]:
+            if r.request_id in self.requests:
+                raise ValueError(f"request_id {r.request_id!r} is already in use")
         self.check_fits(req.num_prompt_tokens)
-        req.arrival_seq = next(self._arrivals)
-        req.status = RequestStatus.WAITING
-        self.requests[req.request_id] = req
-        heapq.heappush(self.waiting, (req.sort_key, req))
+        if req.num_prompt_tokens < 2:  # nothing to share: queue them as independent requests
+            reqs, forks = [req, *forks], []
+        else:
+            reqs = [req]
+        for r in [*reqs, *forks]:
+            r.arrival_seq = next(self._arrivals)
+            r.status = RequestStatus.WAITING
+            self.requests[r.request_id] = r
+        for r in reqs:
+            heapq.heappush(self.waiting, (r.sort_key, r))
+        if forks:
+            self._forks[req.request_id] = forks
+            for f in forks:
+                self._fork_parent[f.request_id] = req.request_id
 
     def check_fits(self, num_prompt_tokens: int) -> None:
         """A prompt that can never be served fails now, instead of waiting forever."""
@@ -90,10 +91,10 @@ class Scheduler:
                 f"room to generate; shorten the prompt or raise --max-model-len"
             )
         blocks = -(-(num_prompt_tokens + 1) // self.kv.block_size)
-        if blocks > self.kv.num_blocks:
+        if blocks > self.kv.max_num_blocks:
             raise ValueError(
                 f"the prompt needs {blocks} KV blocks of {self.kv.block_size} tokens but the pool "
-                f"has {self.kv.num_blocks}; raise --kv-cache-memory / --num-kv-blocks"
+                f"has {self.kv.max_num_blocks}; raise --kv-cache-memory / --num-kv-blocks"
             )
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
@@ -101,11 +102,19 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        if req.status == RequestStatus.RUNNING:
+        parent = self._fork_parent.pop(request_id, None)
+        if parent is not None:  # a child not forked yet
+            self._forks[parent].remove(req)
+        elif req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif any(r is req for r in self.swapped):
+            self.swapped.remove(req)
         elif req.status == RequestStatus.WAITING:
             self.waiting = [(k, r) for k, r in self.waiting if r is not req]
             heapq.heapify(self.waiting)
+        for child in self._forks.pop(request_id, []):  # orphans become independent requests
+            del self._fork_parent[child.request_id]
+            heapq.heappush(self.waiting, (child.sort_key, child))
         req.status = status
         self.kv.free(request_id)
         return req
@@ -121,6 +130,36 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    # -- priorities -----------------------------------------------------------------------------
+    def is_urgent(self, req: Request) -> bool:
+        return req.priority <= self.config.urgent_priority
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks only the urgent class may allocate (floor of reserved_fraction * pool)."""
+        return int(self.config.reserved_fraction * self.kv.num_blocks)
+
+    def _try_allocate(self, req: Request, total: int, prefix: PrefixHit | None = None) -> bool:
+        """allocate_slots, refusing a less urgent request the reserved blocks (unless it would
+        run alone)."""
+        alone = not self.running or self.running == [req]
+        if not self.is_urgent(req) and not alone:
+            need = self.kv.num_blocks_needed(req.request_id, total, prefix)
+            if need > self.kv.num_free_blocks - self.reserved_blocks:
+                return False
+        return self.kv.allocate_slots(req.request_id, total, prefix)
+
+    def _wanted(self, req: Request) -> int:
+        """Tokens ``req`` would compute now: all that are left, except that a parent with pending
+        forks stops one short of its prompt's end (the fork point)."""
+        if req.request_id in self._forks:
+            return req.num_prompt_tokens - 1 - req.num_computed_tokens
+        return req.num_tokens - req.num_computed_tokens
+
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -128,7 +167,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(self._wanted(req), budget)
+            if n <= 0:
+                i += 1
+                continue
             if not self._allocate_or_preempt(req, n, out):
                 break  # req itself was preempted; everything after it already was
             out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
@@ -137,53 +179,76 @@ class Scheduler:
 
         if not out.preempted:
             self._admit_waiting(out, budget)
+        out.block_copies = self.kv.take_block_copies()
         return out
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
-        while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+        while not self._try_allocate(req, req.num_computed_tokens + n):
             victim = self.running[-1]  # least urgent: sorted by (priority, arrival)
             self._preempt(victim, out)
             if victim is req:
                 return False
         return True
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        self.running.remove(req)
-        self.kv.free(req.request_id)
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        req.status = RequestStatus.WAITING
-        heapq.heappush(self.waiting, (req.sort_key, req))
-        out.preempted.append(req.request_id)
-        self.num_preemptions += 1
-
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         chunked = self.config.enable_chunked_prefill
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0][1]
+        while (self.waiting or self.swapped) and budget > 0:
+            from_host = bool(self.swapped) and (
+                not self.waiting or self.swapped[0].sort_key < self.waiting[0][0])
+            req = self.swapped[0] if from_host else self.waiting[0][1]
+            seats = 1 + len(self._forks.get(req.request_id, ()))
+            if self.running and self._seats_taken() + seats > self.config.max_num_seqs:
+                refund = self._preempt_for(req, out)
+                if refund is None:
+                    break
+                budget += refund
+                continue
+            if from_host:
+                used = self._swap_in(req, out, budget)
+                if used is None:
+                    refund = self._preempt_for(req, out)
+                    if refund is None:
+                        break
+                    used = -refund
+                budget -= used
+                continue
             prefix = None
             computed = 0
             if req.params.prompt_logprobs is None and self.kv.enable_prefix_caching:
-                prefix = self.kv.find_prefix(req.token_ids)
+                prefix = self.kv.find_prefix(req.token_ids, record_stats=False)
                 computed = prefix.num_tokens
-            n = req.num_tokens - computed
+            forks = req.request_id in self._forks
+            n = (req.num_prompt_tokens - 1 if forks else req.num_tokens) - computed
+            if forks and n == 0:  # the hit covers the fork point: fork now, then run 1 token
+                n = 1
             if n > budget and not chunked:
                 break
             n = min(n, budget)
-            if not self.kv.allocate_slots(req.request_id, computed + n, prefix):
-                break  # not enough free blocks: wait for running requests to finish
+            if not self._try_allocate(req, computed + n, prefix):
+                refund = self._preempt_for(req, out)
+                if refund is None:
+                    break  # not enough free blocks: wait for running requests to finish
+                budget += refund
+                continue
             heapq.heappop(self.waiting)
+            self.kv.record_prefix_query(req.num_tokens, computed)
             req.num_computed_tokens = computed
             req.status = RequestStatus.RUNNING
             self._insert_running(req)
+            if forks and computed == req.num_prompt_tokens - 1:
+                self._fork_children(req)
             out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
             budget -= n
+
+    def _next_arrival(self) -> int:
+        return next(self._arrivals)
 
     def _insert_running(self, req: Request) -> None:
         bisect.insort(self.running, req, key=lambda r: r.sort_key)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, apply token-level stops.
+        """Advance computed counts, append sampled tokens, fork n > 1 children, apply
+        token-level stops.
 
         Returns the requests that finished this step (already removed, blocks freed).
         """
@@ -197,10 +262,12 @@ class Scheduler:
             if token is not None:
                 req.append_token(token)
             self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            if (req.request_id in self._forks
+                    and req.num_computed_tokens >= req.num_prompt_tokens - 1):
+                self._fork_children(req)
             if token is not None:
                 status = req.check_stop()
                 if status is not None:
                     self.finish_request(req.request_id, status)
                     finished.append(req)
         return finished
-

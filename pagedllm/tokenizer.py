@@ -55,7 +55,7 @@ class IncrementalDetokenizer:
         self.stopped_by: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special))
 
     def add_tokens(self, new_ids: list[int]) -> str:
         """Append tokens; return the newly readable text (may be "")."""
@@ -99,4 +99,4 @@ class IncrementalDetokenizer:
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat_template; use a completion prompt")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))

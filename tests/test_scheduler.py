@@ -14,10 +14,12 @@ from pagedllm.scheduler import Scheduler
 
 
 def make(num_blocks: int = 10, block_size: int = 4, budget: int = 16, seqs: int = 8,
-         max_len: int = 40, caching: bool = False) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+         max_len: int = 40, caching: bool = False, mode: str = "recompute",
+         host_blocks: int = 0) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching,
+                        num_host_blocks=host_blocks)
     return Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget,
-                                     max_model_len=max_len), kv)
+                                     max_model_len=max_len, preemption_mode=mode), kv)
 
 
 def req(rid: str, n_prompt: int, max_tokens: int = 4, priority: int = 0, base: int = 100) -> Request:
@@ -115,32 +117,102 @@ def test_prefix_hits_skip_computation() -> None:
     budget=st.integers(1, 48),
     seqs=st.integers(1, 5),
     caching=st.booleans(),
+    mode=st.sampled_from(["recompute", "swap", "auto"]),
+    host_blocks=st.integers(0, 30),
+    n=st.integers(1, 3),
 )
 def test_random_workloads_finish_and_return_every_block(
     prompts: list[tuple[int, int, int]], num_blocks: int, block_size: int, budget: int, seqs: int,
-    caching: bool,
+    caching: bool, mode: str, host_blocks: int, n: int,
 ) -> None:
     max_len = 40
     if -(-max_len // block_size) > num_blocks:
         max_len = num_blocks * block_size
-    s = make(num_blocks, block_size, budget, seqs, max_len, caching)
+    s = make(num_blocks, block_size, budget, seqs, max_len, caching, mode, host_blocks)
     expected = {}
-    for i, (n, mt, prio) in enumerate(prompts):
-        n = min(n, max_len - 1)
-        r = Request(f"r{i}", [(i * 7 + j) % 5 for j in range(n)],
-                    SamplingParams(max_tokens=mt, ignore_eos=True), max_model_len=max_len, priority=prio)
-        s.add_request(r)
-        expected[r.request_id] = (r, min(mt, max_len - n))
+    for i, (n_tok, mt, prio) in enumerate(prompts):
+        n_tok = min(n_tok, max_len - 1)
+        sp = SamplingParams(max_tokens=mt, ignore_eos=True)
+        group = [Request(f"r{i}" + (f"#{c}" if c else ""), [(i * 7 + j) % 5 for j in range(n_tok)],
+                         sp, max_model_len=max_len, priority=prio) for c in range(n)]
+        s.add_request(group[0], forks=group[1:])
+        for r in group:
+            expected[r.request_id] = (r, min(mt, max_len - n_tok))
     for _ in range(2000):
         if not s.has_unfinished_requests():
             break
         out = s.schedule()
         assert out.num_batched_tokens <= budget
-        assert len(s.running) <= seqs
-        assert out.scheduled or out.preempted, "a step with work left must make progress"
+        assert out.scheduled or out.preempted or out.swap_in, "a step must make progress"
+        assert len(s.running) <= max(seqs, n)
         s.update(out, {x.request.request_id: 3 for x in out.scheduled if x.samples})
         s.kv.check_integrity()
     assert not s.has_unfinished_requests()
-    assert s.kv.num_free_blocks == num_blocks
+    assert s.kv.num_free_blocks == num_blocks and s.kv.num_free_host_blocks == host_blocks
     for r, n_out in expected.values():
         assert r.num_output_tokens == n_out and r.status == RequestStatus.FINISHED_LENGTH
+
+
+# -- priorities: reserved blocks, preemption of less urgent requests ---------------------------
+def make_prio(num_blocks: int = 10, seqs: int = 8, reserved: float = 0.2, budget: int = 64,
+              caching: bool = False) -> Scheduler:
+    kv = KVCacheManager(num_blocks, 4, enable_prefix_caching=caching)
+    return Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget,
+                                     max_model_len=40, reserved_fraction=reserved), kv)
+
+
+def test_reserved_blocks_are_only_for_the_urgent_class() -> None:
+    s = make_prio(reserved=0.2)  # 2 of 10 blocks reserved
+    assert s.reserved_blocks == 2
+    s.add_request(req("low1", 12, priority=1))
+    s.add_request(req("low2", 20, priority=1, base=200))
+    s.add_request(req("u", 8, priority=0, base=300))
+    sched, _ = run_step(s)
+    # u (urgent) goes first and takes 2 blocks; low1 takes 3; low2 needs 5 but only 5 - 2 are
+    # outside the reserve, so it waits although 5 blocks are free.
+    assert sched == {"u": 8, "low1": 12}
+    assert s.kv.num_free_blocks == 5 and s.num_waiting == 1
+    s.add_request(req("u2", 16, priority=-1, base=400))  # more urgent still: may use the reserve
+    sched, _ = run_step(s)
+    assert "u2" in sched and "low2" not in sched
+
+
+def test_lone_less_urgent_request_may_use_the_reserve() -> None:
+    s = make_prio(num_blocks=10, reserved=0.5)
+    s.add_request(req("low", 30, priority=3, max_tokens=8))  # needs 8 blocks > 10 - 5
+    for _ in range(20):
+        if not s.has_unfinished_requests():
+            break
+        run_step(s)
+    assert not s.has_unfinished_requests() and s.kv.num_free_blocks == 10
+
+
+def test_urgent_arrival_preempts_less_urgent_running_requests() -> None:
+    s = make_prio(num_blocks=10, seqs=2, reserved=0.0)
+    s.add_request(req("low0", 8, priority=5, max_tokens=20))
+    s.add_request(req("low1", 8, priority=5, max_tokens=20, base=200))
+    run_step(s)
+    run_step(s)
+    s.add_request(req("u", 8, priority=0, base=300, max_tokens=2))
+    sched, pre = run_step(s)
+    assert pre == ["low1"] and "u" in sched and "low1" not in sched  # no seat: low1 gives its own
+    assert s.preemptions_by_kind["priority"] == 1
+    # memory: low0 holds 3 blocks; a long urgent prompt takes the rest by preempting low0 too
+    s2 = make_prio(num_blocks=6, seqs=4, reserved=0.0)
+    s2.add_request(req("low", 16, priority=2, max_tokens=6))
+    run_step(s2)
+    s2.add_request(req("u", 20, priority=0, base=300, max_tokens=2))
+    sched, pre = run_step(s2)
+    assert pre == ["low"] and sched == {"u": 20}
+    while s2.has_unfinished_requests():
+        run_step(s2)
+    assert s2.requests == {} and s2.kv.num_free_blocks == 6
+
+
+def test_equal_priority_never_preempts_for_admission() -> None:
+    s = make_prio(num_blocks=10, seqs=1, reserved=0.0)
+    s.add_request(req("a", 8, priority=1))
+    run_step(s)
+    s.add_request(req("b", 8, priority=1, base=200))
+    sched, pre = run_step(s)
+    assert pre == [] and sched == {"a": 1}

@@ -73,6 +73,17 @@ class FreeBlockQueue:
     def contains(self, block: KVBlock) -> bool:
         return block.prev_free is not None or self.head is block
 
+    def appendleft(self, block: KVBlock) -> None:
+        """Queue a block to be handed out first (fresh blocks of a grown pool)."""
+        assert block.prev_free is None and block.next_free is None and self.head is not block
+        if self.head is None:
+            self.tail = block
+        else:
+            self.head.prev_free = block
+            block.next_free = self.head
+        self.head = block
+        self.num_free += 1
+
     def popleft(self) -> KVBlock:
         block = self.head
         if block is None:

@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pagedllm.kv.block_pool import BlockHash, BlockPool, KVBlock
+from pagedllm.kv.compaction import CompactionMixin
+from pagedllm.kv.sharing import SharingMixin
+from pagedllm.kv.swap import SwapMixin
 
 
 def hash_block_tokens(parent: int | None, token_ids: tuple[int, ...],
@@ -73,7 +76,7 @@ class PrefixCacheStats:
         self.queries = self.hits = 0
 
 
-class KVCacheManager:
+class KVCacheManager(SharingMixin, SwapMixin, CompactionMixin):
     """Block tables for requests (by id), backed by one ``BlockPool``.
 
     Calls never partially apply: ``allocate_slots`` either covers the requested tokens or returns
@@ -81,7 +84,7 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, num_host_blocks: int = 0) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_blocks = num_blocks
@@ -91,6 +94,11 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         self._tables: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}  # hashes of the table's leading full blocks
+        self._cow: dict[str, int] = {}  # table index of a shared partial block, copied on write
+        self._copies: list[tuple[int, int]] = []  # (src, dst) block copies not yet taken
+        self._pins: list[str] = []  # pseudo-requests holding pinned (preheated) prefix blocks
+        self._init_swap(num_host_blocks)
+        self._max_blocks = num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -111,10 +119,12 @@ class KVCacheManager:
         return [b.block_id for b in table]
 
     # -- prefix lookup ------------------------------------------------------------------------
-    def find_prefix(self, token_ids: Sequence[int], extra_keys: tuple | None = None) -> PrefixHit:
+    def find_prefix(self, token_ids: Sequence[int], extra_keys: tuple | None = None,
+                    record_stats: bool = True) -> PrefixHit:
         """Longest chain of cached full blocks at the head of ``token_ids``, covering at most
         ``len(token_ids) - 1`` tokens (the last prompt token is always recomputed: its logits).
-        Takes no references; counts ``stats``."""
+        Takes no references; counts ``stats`` unless ``record_stats`` is False (the scheduler
+        looks up on every admission attempt and records once, with ``record_prefix_query``)."""
         if not self.enable_prefix_caching:
             return PrefixHit([], 0)
         bs = self.block_size
@@ -130,9 +140,14 @@ class KVCacheManager:
             hashes.append(h)
             parent = h
         hit = PrefixHit(blocks, len(blocks) * bs, tuple(hashes))
-        self.stats.queries += len(token_ids)
-        self.stats.hits += hit.num_tokens
+        if record_stats:
+            self.record_prefix_query(len(token_ids), hit.num_tokens)
         return hit
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        if self.enable_prefix_caching:
+            self.stats.queries += num_tokens
+            self.stats.hits += num_hit_tokens
 
     # -- allocation ---------------------------------------------------------------------------
     def num_blocks_needed(self, request_id: str, num_total_tokens: int,
@@ -145,7 +160,8 @@ class KVCacheManager:
         if table is None and prefix is not None:
             have = len(prefix.blocks)
             revive = sum(1 for i in prefix.blocks if self.pool.blocks[i].ref_cnt == 0)
-        return max(0, -(-num_total_tokens // self.block_size) - have) + revive
+        cow = 1 if table is not None and self._needs_copy(request_id, table) else 0
+        return max(0, -(-num_total_tokens // self.block_size) - have) + revive + cow
 
     def allocate_slots(self, request_id: str, num_total_tokens: int,
                        prefix: PrefixHit | None = None) -> bool:
@@ -165,6 +181,7 @@ class KVCacheManager:
             self.pool.touch(hit)  # before get_new_blocks, so our own prefix is not evicted
             table = self._tables[request_id] = list(hit)
             self._hashes[request_id] = hit_hashes
+        self._copy_on_write(request_id, table)
         n_new = -(-num_total_tokens // self.block_size) - len(table)
         if n_new > 0:
             table.extend(self.pool.get_new_blocks(n_new))
@@ -215,9 +232,14 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first: among its cached blocks the deepest
         is evicted first. Unknown ids are a no-op."""
+        self._drop_swapped(request_id)
         table = self._tables.pop(request_id, None)
         self._hashes.pop(request_id, None)
+        self._cow.pop(request_id, None)
         if table is not None:
+            if self._copies:  # a copy into a block that is freed before the step runs is moot
+                gone = {b.block_id for b in table if b.ref_cnt == 1}
+                self._copies = [c for c in self._copies if c[1] not in gone]
             self.pool.free_blocks(reversed(table))
 
     def reset_prefix_cache(self) -> bool:
@@ -242,5 +264,7 @@ class KVCacheManager:
                     f"request {rid!r}: block {b.block_id} is cached under another hash")
             for b in table[len(hashes):]:
                 assert b.block_hash is None, f"request {rid!r}: unhashed position holds {b}"
-        assert self._hashes.keys() == self._tables.keys(), "hash lists and tables disagree"
+        assert self._hashes.keys() == self._tables.keys() | self._swapped.keys(), (
+            "hash lists and tables disagree")
+        self._check_swap_integrity()
         self.pool.check_integrity(refs)

@@ -23,7 +23,7 @@ from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.config import EngineConfig
 from pagedllm.layers.sampler import SamplingMetadata, sample
 from pagedllm.models.loader import load_model
-from pagedllm.runner.kv_cache import KVCache
+from pagedllm.runner.kv_cache import KVCache, kv_bytes_per_block
 from pagedllm.scheduler import ScheduledRequest, SchedulerOutput
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily
@@ -61,7 +61,8 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         self.backend = get_backend(config.attention_backend, config.device)
         self.model = load_model(config.model, self.backend, config.device)
-        self.kv_cache = KVCache(config.model, num_blocks, self.block_size, config.device)
+        host = config.cache.swap_space // kv_bytes_per_block(config.model, self.block_size)
+        self.kv_cache = KVCache(config.model, num_blocks, self.block_size, config.device, host)
         self.generators: dict[str, torch.Generator] = {}
         torch.manual_seed(config.seed)
 
@@ -155,6 +156,10 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         sched = out.scheduled
         result = RunnerOutput()
+        # block moves first, in this order (see SchedulerOutput), each one batched
+        self.kv_cache.swap_out(out.swap_out)
+        self.kv_cache.copy_blocks(out.block_copies)
+        self.kv_cache.swap_in(out.swap_in)
         if not sched:
             return result
         input_ids, positions, meta = self.prepare(sched)
