@@ -23,6 +23,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    m = p.add_argument_group("KV memory management")
+    m.add_argument("--swap-space", type=float, default=0, help="GiB of host memory for swapped-out KV blocks")
+    m.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
+    m.add_argument("--reserved-fraction", type=float, default=0.1, help="share of blocks only the urgent class may take")
+    m.add_argument("--urgent-priority", type=int, default=0, help="priority <= this is the urgent class")
+    m.add_argument("--initial-num-kv-blocks", type=int, default=None, help="start the pool smaller and grow it (elastic pool)")
+    m.add_argument("--compact-every-n-steps", type=int, default=None, help="defragment every N steps")
+    m.add_argument("--compact-below-utilization", type=float, default=None, help="defragment when utilization stays below this")
+    m.add_argument("--preheat-prompts", default=None, help="file of prompts (one per line, text or a JSON list of ids) to cache at start-up")
     g.add_argument("--attention-backend", default=None, help="torch_ref | cpu (default: by device)")
     g.add_argument("--seed", type=int, default=0)
 
@@ -39,6 +48,14 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len,
         enable_prefix_caching=a.enable_prefix_caching,
+        swap_space=a.swap_space,
+        preemption_mode=a.preemption_mode,
+        reserved_fraction=a.reserved_fraction,
+        urgent_priority=a.urgent_priority,
+        initial_num_kv_blocks=a.initial_num_kv_blocks,
+        compact_every_n_steps=a.compact_every_n_steps,
+        compact_below_utilization=a.compact_below_utilization,
+        preheat_prompts=a.preheat_prompts,
         attention_backend=a.attention_backend,
         seed=a.seed,
     )
@@ -89,7 +106,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_plan(a: argparse.Namespace) -> int:
     from pagedllm.engine import build_engine_config, plan_kv_pool
 
-    cfg = build_engine_config(**_engine_kwargs(a))
+    kwargs = _engine_kwargs(a)
+    kwargs.pop("preheat_prompts")
+    cfg = build_engine_config(**kwargs)
     plan = plan_kv_pool(cfg.model, cfg.cache, cfg.scheduler)
     m = cfg.model
     print(f"model            {m.model} ({m.architecture}, {m.num_hidden_layers} layers, "

@@ -119,8 +119,17 @@ class LLMEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_args(cls, scheduler_cls: type[Scheduler] = Scheduler, **kwargs: Any) -> LLMEngine:
-        return cls(build_engine_config(**kwargs), scheduler_cls)
+    def from_args(
+        cls,
+        scheduler_cls: type[Scheduler] = Scheduler,
+        preheat_prompts: Sequence[PromptType] | str | None = None,
+        **kwargs: Any,
+    ) -> LLMEngine:
+        """Build from engine kwargs; ``preheat_prompts`` are computed and pinned at start-up."""
+        engine = cls(build_engine_config(**kwargs), scheduler_cls)
+        if preheat_prompts is not None:
+            engine.preheat(preheat_prompts)
+        return engine
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -454,10 +463,8 @@ class LLM:
 
     def __init__(self, model: str | None = None,
                  preheat_prompts: Sequence[PromptType] | str | None = None, **kwargs: Any) -> None:
-        self.engine = LLMEngine.from_args(model=model, **kwargs)
+        self.engine = LLMEngine.from_args(model=model, preheat_prompts=preheat_prompts, **kwargs)
         self._counter = itertools.count()
-        if preheat_prompts is not None:
-            self.engine.preheat(preheat_prompts)
 
     def get_prefix_cache_stats(self) -> dict[str, float]:
         return self.engine.prefix_cache_stats()
