@@ -1,0 +1,168 @@
+"""The systems a workload runs on: pagedllm's engine (paged or contiguous policy), HF
+transformers ``generate`` with static batches, and vLLM when it is installed.
+
+Each backend runs a whole workload offline (every request submitted at time 0, greedy,
+``ignore_eos``) and returns a ``RunResult``; the caller times repetitions and interleaves them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.bench.workload import BenchRequest
+
+BACKENDS = ("pagedllm", "hf", "contiguous", "vllm")
+
+
+@dataclass
+class RunResult:
+    backend: str
+    elapsed_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int  # tokens the workload asked for and got (padding waste not counted)
+    generated_tokens: int  # tokens the backend computed, incl. waste (HF static-batch tails)
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+class EngineBackend:
+    """pagedllm's engine; ``policy`` "paged" (the default scheduler) or "contiguous"."""
+
+    def __init__(self, name: str, engine_kwargs: dict[str, Any], policy: str = "paged") -> None:
+        from pagedllm.bench.contiguous import ContiguousScheduler
+        from pagedllm.bench.probe import recording
+        from pagedllm.engine import LLMEngine
+        from pagedllm.scheduler import Scheduler
+
+        base = ContiguousScheduler if policy == "contiguous" else Scheduler
+        self.name = name
+        self.policy = policy
+        self.engine = LLMEngine.from_args(scheduler_cls=recording(base), **engine_kwargs)
+
+    def run(self, reqs: list[BenchRequest]) -> RunResult:
+        from pagedllm.sampling_params import SamplingParams
+
+        eng = self.engine
+        eng.kv.reset_prefix_cache()  # a repetition must not hit the previous one's blocks
+        eng.kv.stats.reset()
+        trace = eng.scheduler.trace  # type: ignore[attr-defined]
+        trace.restart()
+        preempted_before = eng.num_preemptions
+        ids = [f"b{i}" for i in range(len(reqs))]
+        outputs: dict[str, list[int]] = {}
+        t0 = time.perf_counter()
+        for rid, r in zip(ids, reqs):
+            params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
+            eng.add_request(rid, {"prompt_token_ids": r.prompt_token_ids}, params)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    outputs[o.request_id] = list(o.outputs[0].token_ids)
+        elapsed = time.perf_counter() - t0
+        outs = [outputs[i] for i in ids]
+        n_out = sum(len(o) for o in outs)
+        stats = trace.summary()
+        stats["prefix_cache_hit_rate"] = eng.kv.stats.hit_rate
+        stats["num_preemptions"] = eng.num_preemptions - preempted_before
+        return RunResult(self.name, elapsed, len(reqs), sum(r.prompt_len for r in reqs), n_out,
+                         n_out, outs, stats)
+
+
+class HFBackend:
+    """transformers ``generate``: static batches of ``batch_size`` in workload order, left
+    padding, ``max_new_tokens`` = the batch's longest request (shorter ones are cut after)."""
+
+    def __init__(self, model: str, batch_size: int = 16, dtype: str = "auto") -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from pagedllm.config import ModelConfig
+        from pagedllm.tokenizer import get_tokenizer
+
+        self.name = "hf"
+        self.batch_size = batch_size
+        resolved = ModelConfig.from_hf(model, dtype).dtype
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model, dtype=getattr(torch, resolved), local_files_only=True).eval()
+        tok = get_tokenizer(model)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.pad_id = int(pad) if pad is not None else 0
+
+    def run(self, reqs: list[BenchRequest]) -> RunResult:
+        import torch
+
+        outs: list[list[int]] = []
+        generated = 0
+        t0 = time.perf_counter()
+        for i in range(0, len(reqs), self.batch_size):
+            batch = reqs[i:i + self.batch_size]
+            width = max(r.prompt_len for r in batch)
+            ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for j, r in enumerate(batch):  # left padding
+                ids[j, width - r.prompt_len:] = torch.tensor(r.prompt_token_ids)
+                mask[j, width - r.prompt_len:] = 1
+            new = max(r.max_tokens for r in batch)
+            with torch.inference_mode():
+                seq = self.model.generate(
+                    input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                    do_sample=False, pad_token_id=self.pad_id,
+                )
+            gen = seq[:, width:]
+            generated += gen.numel()
+            outs.extend(gen[j, :r.max_tokens].tolist() for j, r in enumerate(batch))
+        elapsed = time.perf_counter() - t0
+        return RunResult(self.name, elapsed, len(reqs), sum(r.prompt_len for r in reqs),
+                         sum(len(o) for o in outs), generated, outs,
+                         {"batch_size": self.batch_size})
+
+
+class VllmBackend:
+    """vLLM's offline ``LLM`` (only when the ``vllm`` package is importable)."""
+
+    def __init__(self, model: str, engine_kwargs: dict[str, Any]) -> None:
+        from vllm import LLM
+
+        self.name = "vllm"
+        kw = {k: engine_kwargs[k] for k in ("max_num_seqs", "max_model_len", "block_size",
+                                              "seed") if engine_kwargs.get(k) is not None}
+        self.llm = LLM(model=model, **kw)
+
+    def run(self, reqs: list[BenchRequest]) -> RunResult:
+        from vllm import SamplingParams
+
+        params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
+                  for r in reqs]
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+        t0 = time.perf_counter()
+        res = self.llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        outs = [list(o.outputs[0].token_ids) for o in res]
+        n = sum(len(o) for o in outs)
+        return RunResult(self.name, elapsed, len(reqs), sum(r.prompt_len for r in reqs), n, n, outs)
+
+
+def make_backend(name: str, engine_kwargs: dict[str, Any], hf_batch_size: int) -> Any:
+    from pagedllm.config import default_model_path
+
+    model = engine_kwargs.get("model") or default_model_path()
+    if name == "pagedllm":
+        return EngineBackend(name, engine_kwargs, "paged")
+    if name == "contiguous":
+        return EngineBackend(name, engine_kwargs, "contiguous")
+    if name == "hf":
+        return HFBackend(model, hf_batch_size, engine_kwargs.get("dtype") or "auto")
+    if name == "vllm":
+        if not vllm_available():
+            raise ValueError("backend 'vllm' needs the vllm package; pip install vllm")
+        return VllmBackend(model, engine_kwargs)
+    raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")

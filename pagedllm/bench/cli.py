@@ -1,0 +1,266 @@
+"""``pagedllm bench throughput | memory | block-size | kernel | serve | random-model``.
+
+Registered by ``pagedllm.cli``; everything heavy is imported inside the command functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+AddEngineArgs = Callable[[argparse.ArgumentParser], None]
+EngineKwargs = Callable[[argparse.Namespace], dict[str, Any]]
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from e
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("output")
+    g.add_argument("--output-dir", type=Path, default=Path("bench-results"),
+                   help="where JSON and PNG files go (default: ./bench-results)")
+    g.add_argument("--output-json", type=Path, default=None,
+                   help="JSON file (default: <output-dir>/<benchmark>.json)")
+    g.add_argument("--no-plot", dest="plot", action="store_false", help="skip PNG plots")
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+
+
+def _workload_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
+    g = p.add_argument_group("workload (seeded; see pagedllm.bench.workload)")
+    g.add_argument("--workload", choices=["longtail", "fixed", "chat", "trace"], default="longtail")
+    g.add_argument("--num-prompts", type=int, default=num_prompts)
+    g.add_argument("--trace", default=None, help="JSONL trace for --workload trace")
+    g.add_argument("--prompt-median", type=float, default=96.0, help="longtail: median prompt length")
+    g.add_argument("--prompt-sigma", type=float, default=0.8, help="longtail: log-normal sigma")
+    g.add_argument("--output-median", type=float, default=64.0, help="longtail: median output length")
+    g.add_argument("--output-sigma", type=float, default=0.9, help="longtail: log-normal sigma")
+    g.add_argument("--input-len", type=int, default=128, help="fixed: prompt length")
+    g.add_argument("--output-len", type=int, default=128, help="fixed / chat: output length")
+    g.add_argument("--system-len", type=int, default=128, help="chat: shared system prompt length")
+    g.add_argument("--turns", type=int, default=4, help="chat: turns per conversation")
+    g.add_argument("--user-len", type=int, default=32, help="chat: tokens per user/assistant message")
+
+
+def _spec_kwargs(a: argparse.Namespace, seed: int) -> dict[str, Any]:
+    return dict(kind=a.workload, num_prompts=a.num_prompts, seed=seed, trace=a.trace,
+                prompt_median=a.prompt_median, prompt_sigma=a.prompt_sigma,
+                output_median=a.output_median, output_sigma=a.output_sigma,
+                input_len=a.input_len, output_len=a.output_len, system_len=a.system_len,
+                turns=a.turns, user_len=a.user_len)
+
+
+def _setup(a: argparse.Namespace) -> None:
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    a.output_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _show(paths: list[Path]) -> None:
+    for p in paths:
+        print(f"wrote {p}")
+
+
+def register(subparsers: Any, add_engine_args: AddEngineArgs, engine_kwargs: EngineKwargs) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, memory, block size, kernel, serving")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    # -- throughput ---------------------------------------------------------------------------
+    p = sub.add_parser("throughput", help="offline throughput: pagedllm vs HF transformers vs "
+                       "contiguous reservation (vs vLLM when installed), interleaved")
+    p.add_argument("--backends", default=None,
+                   help="comma-separated: pagedllm, hf, contiguous, vllm (default: the first "
+                   "three, plus vllm when the vllm package is importable)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per backend (the fastest is reported)")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="HF generate static batch size")
+    p.add_argument("--warmup", type=int, default=4, help="requests in each backend's warm-up run")
+    _workload_args(p, 64)
+    _common(p)
+    add_engine_args(p)
+
+    def cmd_throughput(a: argparse.Namespace) -> int:
+        from pagedllm.bench.baselines import BACKENDS, vllm_available
+        from pagedllm.bench.throughput import report_throughput, run_throughput
+        from pagedllm.bench.workload import build_workload
+
+        _setup(a)
+        if a.backends is None:
+            a.backends = "pagedllm,hf,contiguous" + (",vllm" if vllm_available() else "")
+        names = [b.strip() for b in a.backends.split(",") if b.strip()]
+        bad = [b for b in names if b not in BACKENDS]
+        if bad or not names or len(set(names)) != len(names):
+            raise ValueError(f"--backends {a.backends!r}: choose distinct names from {', '.join(BACKENDS)}")
+        kw = engine_kwargs(a)
+        spec, reqs, _ = build_workload(kw, _spec_kwargs(a, a.seed))
+        res = run_throughput(reqs, spec, kw, names, a.reps, a.hf_batch_size, a.warmup)
+        _show(report_throughput(res, a.output_dir, a.output_json, a.plot))
+        return 0
+
+    p.set_defaults(func=cmd_throughput)
+
+    # -- memory -------------------------------------------------------------------------------
+    p = sub.add_parser("memory", help="paged vs contiguous at the same KV budget: concurrency and "
+                       "KV utilization over time")
+    p.add_argument("--mode", choices=["real", "replay"], default="real",
+                   help="real engines (default) or a model-free scheduler replay")
+    p.add_argument("--full-requests", type=int, default=8,
+                   help="without --num-kv-blocks: size the pool for this many max_model_len requests")
+    _workload_args(p, 64)
+    _common(p)
+    add_engine_args(p)
+
+    def cmd_memory(a: argparse.Namespace) -> int:
+        from pagedllm.bench.memory import default_num_blocks, report_memory, run_memory
+        from pagedllm.bench.workload import build_workload
+
+        _setup(a)
+        kw = engine_kwargs(a)
+        spec, reqs, cfg = build_workload(kw, _spec_kwargs(a, a.seed))
+        nb = a.num_kv_blocks or default_num_blocks(cfg.scheduler.max_model_len,
+                                                   cfg.cache.block_size, a.full_requests)
+        res = run_memory(reqs, spec, kw, nb, a.mode)
+        _show(report_memory(res, a.output_dir, a.output_json, a.plot))
+        return 0
+
+    p.set_defaults(func=cmd_memory)
+
+    # -- block size ---------------------------------------------------------------------------
+    p = sub.add_parser("block-size", help="sweep KV block sizes at a fixed KV memory")
+    p.add_argument("--block-sizes", type=_ints, default=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+    p.add_argument("--budget-tokens", type=int, default=None,
+                   help="KV token slots for every block size (default: 16 x max_model_len)")
+    p.add_argument("--reps", type=int, default=2, help="repetitions (the fastest is reported)")
+    _workload_args(p, 32)
+    _common(p)
+    add_engine_args(p)
+
+    def cmd_block_size(a: argparse.Namespace) -> int:
+        from pagedllm.bench.block_size import report_block_size, run_block_size
+        from pagedllm.bench.workload import build_workload
+
+        _setup(a)
+        kw = engine_kwargs(a)
+        spec, reqs, cfg = build_workload(kw, _spec_kwargs(a, a.seed))
+        budget = a.budget_tokens or 16 * cfg.scheduler.max_model_len
+        res = run_block_size(reqs, spec, kw, budget, tuple(a.block_sizes), a.reps)
+        _show(report_block_size(res, a.output_dir, a.output_json, a.plot))
+        return 0
+
+    p.set_defaults(func=cmd_block_size)
+
+    # -- kernel -------------------------------------------------------------------------------
+    p = sub.add_parser("kernel", help="paged attention vs contiguous SDPA, decode and prefill")
+    p.add_argument("--model", default=None,
+                   help="take head shapes from this checkpoint (default: the shipped model)")
+    p.add_argument("--num-heads", type=int, default=None)
+    p.add_argument("--num-kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--contexts", type=_ints, default=(128, 512, 2048))
+    p.add_argument("--block-sizes", type=_ints, default=(16, 64, 256))
+    p.add_argument("--batch", type=int, default=16, help="decode batch (prefill uses 1 request)")
+    p.add_argument("--phases", default="decode,prefill")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--attention-backend", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    _common(p)
+
+    def cmd_kernel(a: argparse.Namespace) -> int:
+        from pagedllm.bench.kernel import report_kernel, run_kernel
+
+        _setup(a)
+        heads = _model_heads(a.model)
+        res = run_kernel(
+            contexts=tuple(a.contexts), block_sizes=tuple(a.block_sizes), batch=a.batch,
+            phases=tuple(x.strip() for x in a.phases.split(",") if x.strip()),
+            num_heads=a.num_heads or heads[0], num_kv_heads=a.num_kv_heads or heads[1],
+            head_dim=a.head_dim or heads[2], rounds=a.rounds, iters=a.iters,
+            backend=a.attention_backend, seed=a.seed,
+        )
+        _show(report_kernel(res, a.output_dir, a.output_json, a.plot))
+        return 0
+
+    p.set_defaults(func=cmd_kernel)
+
+    # -- serve --------------------------------------------------------------------------------
+    p = sub.add_parser("serve", help="online latency against a running `pagedllm serve` (HTTP)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrivals, requests/s (default inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--served-model-name", default=None, help="default: the first of /v1/models")
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--slo-e2e-ms", type=float, default=None)
+    p.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
+                   help="send prompts as token id lists (default) or decoded text")
+    p.add_argument("--use-trace-arrivals", action="store_true",
+                   help="--workload trace: use the trace's arrival_time instead of Poisson")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
+    p.add_argument("--model", default=None,
+                   help="checkpoint whose tokenizer builds the prompts (default: the shipped model)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="cap prompt+output length (default: the model's max_position_embeddings)")
+    p.add_argument("--seed", type=int, default=0)
+    _workload_args(p, 64)
+    _common(p)
+
+    def cmd_serve(a: argparse.Namespace) -> int:
+        from pagedllm.bench.serve import report_serve, run_serve
+        from pagedllm.bench.workload import WorkloadSpec, make_workload, vocab_ids
+        from pagedllm.config import ModelConfig, default_model_path
+        from pagedllm.tokenizer import get_tokenizer
+
+        _setup(a)
+        model = a.model or default_model_path()
+        mcfg = ModelConfig.from_hf(model)
+        tok = get_tokenizer(a.tokenizer or model)
+        spec = WorkloadSpec(max_model_len=a.max_model_len or mcfg.max_position_embeddings,
+                            **_spec_kwargs(a, a.seed))
+        reqs = make_workload(spec, vocab_ids(tok, min(len(tok), mcfg.vocab_size)), tok)
+        res = run_serve(a.base_url, reqs, a.request_rate, a.max_concurrency, a.served_model_name,
+                        a.slo_ttft_ms, a.slo_tpot_ms, a.slo_e2e_ms, a.prompt_format, a.seed,
+                        a.timeout, tok, a.use_trace_arrivals)
+        res["workload"] = {**spec.describe(), **res["workload"]}
+        _show(report_serve(res, a.output_dir, a.output_json, a.plot))
+        return 0
+
+    p.set_defaults(func=cmd_serve)
+
+    # -- a random-weight model of a realistic size ----------------------------------------------
+    p = sub.add_parser("random-model", help="write a random-weight Llama checkpoint (~100M params)")
+
+    def cmd_random_model(a: argparse.Namespace) -> int:
+        from pagedllm.bench.random_model import build_random_model
+
+        n = build_random_model(a.out, a.preset, a.tokenizer, a.seed)
+        print(f"wrote {a.out} ({n / 1e6:.1f}M parameters, random weights, preset {a.preset})")
+        return 0
+
+    from pagedllm.bench.random_model import add_args
+
+    add_args(p)
+    p.set_defaults(func=cmd_random_model)
+
+
+def _model_heads(model: str | None) -> tuple[int, int, int]:
+    """(q heads, kv heads, head_dim) of ``model``; (8, 2, 64) when no checkpoint is there."""
+    from pagedllm.config import ModelConfig, default_model_path
+
+    path = model or default_model_path()
+    try:
+        m = ModelConfig.from_hf(path)
+    except ValueError:
+        if model is not None:
+            raise
+        return 8, 2, 64
+    return m.num_attention_heads, m.num_key_value_heads, m.head_dim

@@ -1,0 +1,132 @@
+"""Step-level KV accounting shared by the benchmarks, and a model-free scheduler replay.
+
+``recording(cls)`` makes a subclass of any scheduler that, after each ``schedule()``, records::
+
+    running    requests holding KV (the batch)
+    reserved   token slots reserved for them: sum of len(block table) * block_size
+    live       tokens whose K/V are in the cache once this step has run:
+               sum over running requests of num_computed_tokens + new tokens scheduled now
+    pool       token slots the pool has handed out: (num_blocks - num_free_blocks) * block_size
+
+Utilization = live / reserved; 1 - utilization is the fraction of reserved slots that hold
+nothing (internal fragmentation of last blocks, or a max-length reservation's unused tail).
+``reserved`` counts a block shared through the prefix cache once per request that holds it, so
+utilization never exceeds 1 and is conservative for paging; ``pool`` counts it once (the memory
+actually used, lower than ``reserved`` when blocks are shared).
+
+``replay`` drives a scheduler with a fake runner (every sampled token is 0): scheduling depends
+on lengths, not on token values, when outputs run to ``max_tokens`` (``ignore_eos``), so the
+trace equals the real engine's, step for step, without torch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.bench.workload import BenchRequest
+from pagedllm.config import SchedulerConfig
+from pagedllm.kv.manager import KVCacheManager
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.scheduler import Scheduler, SchedulerOutput
+
+
+@dataclass
+class StepTrace:
+    t: list[float] = field(default_factory=list)  # seconds since the trace was (re)started
+    running: list[int] = field(default_factory=list)
+    live: list[int] = field(default_factory=list)
+    reserved: list[int] = field(default_factory=list)
+    pool: list[int] = field(default_factory=list)
+    t0: float = field(default_factory=time.perf_counter)
+    num_preemptions: int | None = None  # set by replay (the engine counts its own)
+
+    def restart(self) -> None:
+        self.t.clear()
+        self.running.clear()
+        self.live.clear()
+        self.reserved.clear()
+        self.pool.clear()
+        self.t0 = time.perf_counter()
+
+    @property
+    def utilization(self) -> list[float]:
+        return [lv / rs if rs else 0.0 for lv, rs in zip(self.live, self.reserved)]
+
+    def summary(self) -> dict[str, Any]:
+        """Peak concurrency and time-weighted utilization over the steps that held KV."""
+        steps = [i for i, r in enumerate(self.reserved) if r]
+        live = sum(self.live[i] for i in steps)
+        reserved = sum(self.reserved[i] for i in steps)
+        return {
+            "steps": len(self.t),
+            "peak_running": max(self.running, default=0),
+            "mean_running": sum(self.running[i] for i in steps) / len(steps) if steps else 0.0,
+            "peak_reserved_tokens": max(self.reserved, default=0),
+            "peak_pool_tokens": max(self.pool, default=0),
+            "kv_utilization": live / reserved if reserved else 0.0,
+        }
+
+
+def recording(cls: type[Scheduler]) -> type[Scheduler]:
+    """A subclass of ``cls`` whose instances keep a ``StepTrace`` in ``self.trace``."""
+
+    class Recording(cls):  # type: ignore[valid-type, misc]
+        def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+            super().__init__(config, kv)
+            self.trace = StepTrace()
+
+        def schedule(self) -> SchedulerOutput:
+            out = super().schedule()
+            sched = {s.request.request_id: s for s in out.scheduled}
+            live = blocks = 0
+            for r in self.running:
+                s = sched.get(r.request_id)
+                if s is not None:
+                    live += r.num_computed_tokens + s.num_new_tokens
+                    blocks += len(s.block_table)
+                else:  # running but given no tokens this step (budget spent)
+                    live += r.num_computed_tokens
+                    blocks += len(self.kv.block_table(r.request_id))
+            bs = self.kv.block_size
+            tr = self.trace
+            tr.t.append(time.perf_counter() - tr.t0)
+            tr.running.append(len(self.running))
+            tr.live.append(live)
+            tr.reserved.append(blocks * bs)
+            tr.pool.append((self.kv.num_blocks - self.kv.num_free_blocks) * bs)
+            return out
+
+    Recording.__name__ = Recording.__qualname__ = f"Recording{cls.__name__}"
+    return Recording
+
+
+def replay(
+    reqs: list[BenchRequest],
+    scheduler_cls: type[Scheduler],
+    config: SchedulerConfig,
+    num_blocks: int,
+    block_size: int,
+    enable_prefix_caching: bool = True,
+) -> StepTrace:
+    """Run the workload through ``scheduler_cls`` with a fake runner; returns the step trace
+    (``t`` is the step index)."""
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+    sched = recording(scheduler_cls)(config, kv)
+    for i, r in enumerate(reqs):
+        sched.add_request(Request(
+            request_id=f"r{i}", prompt_token_ids=list(r.prompt_token_ids),
+            params=SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True),
+            max_model_len=config.max_model_len, arrival_time=0.0,
+        ))
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        if out.is_empty:
+            raise RuntimeError("the scheduler made no progress; the KV pool is too small")
+        sched.update(out, {s.request.request_id: 0 for s in out.scheduled if s.samples})
+    trace: StepTrace = sched.trace  # type: ignore[attr-defined]
+    trace.t = [float(i) for i in range(len(trace.t))]
+    trace.num_preemptions = sched.num_preemptions
+    return trace

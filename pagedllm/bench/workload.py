@@ -1,0 +1,215 @@
+"""Seeded benchmark workloads: long-tailed synthetic, fixed lengths, multi-turn chat, JSONL traces.
+
+A workload is a list of ``BenchRequest`` (prompt token ids, output length, optional arrival
+time). Synthetic prompts are token ids drawn uniformly from the tokenizer's vocabulary (special
+tokens excluded); requests run with ``ignore_eos`` so that output lengths are exactly the drawn
+``max_tokens`` on every backend.
+
+``longtail`` (chat-like traffic, the default): prompt and output lengths are log-normal,
+``round(exp(N(log(median), sigma)))``, clipped to ``[min_len, ...]`` and so that
+``prompt + output <= max_model_len``. Defaults: prompts median 96, sigma 0.8 (p90 ~ 270);
+outputs median 64, sigma 0.9 (p90 ~ 200). Most requests are short, a few are long: the
+shape of ShareGPT-style traces, which is what a max-length reservation wastes memory on.
+
+``chat``: ``num_conversations`` conversations of ``turns`` turns, all starting with one shared
+system prompt; turn k's prompt is system + (user, assistant) * (k-1) + user, the history made of
+synthetic tokens, so later turns hit the prefix cache.
+
+``trace``: JSONL lines ``{"prompt": str | "prompt_token_ids": [int], "max_tokens": int,
+"arrival_time": float?}`` (seconds from the start).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+WORKLOADS = ("longtail", "fixed", "chat", "trace")
+
+
+@dataclass
+class BenchRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float | None = None  # seconds from the start; None = all at once
+    prompt: str | None = None  # the text, when the workload came from text
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    kind: str = "longtail"
+    num_prompts: int = 64
+    seed: int = 0
+    max_model_len: int = 512
+    # longtail
+    prompt_median: float = 96.0
+    prompt_sigma: float = 0.8
+    output_median: float = 64.0
+    output_sigma: float = 0.9
+    min_len: int = 4
+    # fixed
+    input_len: int = 128
+    output_len: int = 128
+    # chat
+    system_len: int = 128
+    turns: int = 4
+    user_len: int = 32
+    # trace
+    trace: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        d = asdict(self)
+        keep = {
+            "longtail": ("prompt_median", "prompt_sigma", "output_median", "output_sigma", "min_len"),
+            "fixed": ("input_len", "output_len"),
+            "chat": ("system_len", "turns", "user_len", "output_len"),
+            "trace": ("trace",),
+        }[self.kind]
+        return {k: d[k] for k in ("kind", "num_prompts", "seed", "max_model_len", *keep)}
+
+
+def vocab_ids(tokenizer: Any, vocab_size: int | None = None) -> list[int]:
+    """Ids a synthetic prompt may use: the model vocabulary minus special tokens."""
+    n = vocab_size if vocab_size is not None else len(tokenizer)
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ids = [i for i in range(n) if i not in special]
+    if not ids:
+        raise ValueError("the tokenizer has no non-special tokens to build prompts from")
+    return ids
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
+    return max(lo, min(hi, round(math.exp(rng.gauss(math.log(median), sigma)))))
+
+
+def _tokens(rng: random.Random, ids: list[int], n: int) -> list[int]:
+    return [ids[rng.randrange(len(ids))] for _ in range(n)]
+
+
+def make_workload(spec: WorkloadSpec, vocab: list[int], tokenizer: Any = None) -> list[BenchRequest]:
+    """Build the workload ``spec`` describes; same spec and vocabulary -> same requests."""
+    rng = random.Random(spec.seed)
+    limit = spec.max_model_len
+    if spec.kind == "longtail":
+        out = []
+        for _ in range(spec.num_prompts):
+            p = _lognormal(rng, spec.prompt_median, spec.prompt_sigma, spec.min_len, limit - spec.min_len)
+            o = _lognormal(rng, spec.output_median, spec.output_sigma, 1, limit - p)
+            out.append(BenchRequest(_tokens(rng, vocab, p), o))
+        return out
+    if spec.kind == "fixed":
+        if spec.input_len + spec.output_len > limit:
+            raise ValueError(f"--input-len {spec.input_len} + --output-len {spec.output_len} "
+                             f"exceeds max_model_len={limit}; shorten them or raise --max-model-len")
+        return [BenchRequest(_tokens(rng, vocab, spec.input_len), spec.output_len)
+                for _ in range(spec.num_prompts)]
+    if spec.kind == "chat":
+        return _chat(spec, rng, vocab)
+    if spec.kind == "trace":
+        if not spec.trace:
+            raise ValueError("--workload trace needs --trace FILE (JSONL)")
+        return load_trace(spec.trace, tokenizer, spec.num_prompts)
+    raise ValueError(f"unknown workload {spec.kind!r}; choose one of {', '.join(WORKLOADS)}")
+
+
+def _chat(spec: WorkloadSpec, rng: random.Random, vocab: list[int]) -> list[BenchRequest]:
+    system = _tokens(rng, vocab, spec.system_len)
+    turn_len = 2 * spec.user_len  # user message + the (synthetic) assistant reply before it
+    max_turns = max(1, (spec.max_model_len - spec.system_len - spec.output_len) // turn_len)
+    turns = min(spec.turns, max_turns)
+    if spec.system_len + spec.user_len + spec.output_len > spec.max_model_len:
+        raise ValueError(f"--system-len + --user-len + --output-len exceed max_model_len="
+                         f"{spec.max_model_len}")
+    convs = -(-spec.num_prompts // turns)
+    out: list[BenchRequest] = []
+    for k in range(turns):  # turn-major: every conversation's turn k before any turn k+1
+        for c in range(convs):
+            if len(out) == spec.num_prompts:
+                break
+            crng = random.Random(spec.seed * 100003 + c)  # a conversation's history is stable
+            history: list[int] = []
+            for _ in range(k):
+                history += _tokens(crng, vocab, spec.user_len) + _tokens(crng, vocab, spec.user_len)
+            user = _tokens(crng, vocab, spec.user_len)
+            out.append(BenchRequest(system + history + user, spec.output_len))
+    return out
+
+
+def load_trace(path: str | Path, tokenizer: Any = None, limit: int | None = None) -> list[BenchRequest]:
+    out: list[BenchRequest] = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if "prompt_token_ids" in rec:
+            ids, text = [int(t) for t in rec["prompt_token_ids"]], None
+        elif "prompt" in rec:
+            if tokenizer is None:
+                raise ValueError(f"{path}:{n}: a text prompt needs a tokenizer")
+            text = rec["prompt"]
+            ids = list(tokenizer.encode(text))
+        else:
+            raise ValueError(f"{path}:{n}: each line needs 'prompt' or 'prompt_token_ids'")
+        if "max_tokens" not in rec:
+            raise ValueError(f"{path}:{n}: each line needs 'max_tokens'")
+        at = rec.get("arrival_time")
+        out.append(BenchRequest(ids, int(rec["max_tokens"]), None if at is None else float(at), text))
+        if limit is not None and len(out) == limit:
+            break
+    return out
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Arrival times (s) of a Poisson process of ``rate`` requests/s; rate=inf -> all at 0."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed + 7919)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def summarize(reqs: list[BenchRequest]) -> dict[str, Any]:
+    p = [r.prompt_len for r in reqs]
+    o = [r.max_tokens for r in reqs]
+
+    def stats(xs: list[int]) -> dict[str, float]:
+        s = sorted(xs)
+        return {"mean": sum(s) / len(s), "p50": s[len(s) // 2], "p90": s[min(len(s) - 1, int(0.9 * len(s)))],
+                "max": s[-1]} if s else {}
+
+    return {"num_requests": len(reqs), "prompt_tokens": sum(p), "output_tokens": sum(o),
+            "prompt_lens": stats(p), "output_lens": stats(o)}
+
+
+def build_workload(engine_kwargs: dict[str, Any], spec_kwargs: dict[str, Any]) -> tuple[WorkloadSpec, list[BenchRequest], Any]:
+    """The workload for the model named in ``engine_kwargs``: its tokenizer's vocabulary, its
+    ``max_model_len``. Returns (spec, requests, engine config)."""
+    from pagedllm.tokenizer import get_tokenizer
+
+    cfg = engine_config(engine_kwargs)
+    tok = get_tokenizer(cfg.tokenizer)
+    spec = WorkloadSpec(max_model_len=cfg.scheduler.max_model_len, **spec_kwargs)
+    vocab = vocab_ids(tok, min(len(tok), cfg.model.vocab_size))
+    return spec, make_workload(spec, vocab, tok), cfg
+
+
+def engine_config(engine_kwargs: dict[str, Any]) -> Any:
+    """``build_engine_config`` of the CLI's engine kwargs, minus those only ``LLMEngine.from_args``
+    takes (e.g. ``preheat_prompts``)."""
+    import inspect
+
+    from pagedllm.engine import build_engine_config
+
+    known = inspect.signature(build_engine_config).parameters
+    return build_engine_config(**{k: v for k, v in engine_kwargs.items() if k in known})

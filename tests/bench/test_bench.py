@@ -1,0 +1,243 @@
+"""The bench subcommands run end to end at tiny sizes and write the documented JSON; the
+contiguous baseline really reserves max_model_len per request and matches paged outputs.
+No timing assertions (speed targets live in the benchmarks themselves)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from bench_fake_server import FakeServer
+
+from pagedllm.bench.contiguous import ContiguousScheduler
+from pagedllm.bench.probe import replay
+from pagedllm.bench.report import format_table, percentiles
+from pagedllm.bench.workload import (
+    BenchRequest,
+    WorkloadSpec,
+    load_trace,
+    make_workload,
+    poisson_arrivals,
+)
+from pagedllm.cli import main
+from pagedllm.config import SchedulerConfig
+from pagedllm.scheduler import Scheduler
+
+MML = 64  # max_model_len for every engine here
+SMALL = ["--num-prompts", "6", "--prompt-median", "8", "--output-median", "6",
+         "--max-model-len", str(MML), "--block-size", "4", "--max-num-seqs", "8", "--no-plot"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["llama"]  # tests/conftest.py: random weights, GQA, word tokenizer
+
+
+def _engine_kwargs(model: Path, **kw: object) -> dict:
+    return dict(model=str(model), block_size=4, max_model_len=MML, max_num_seqs=8, **kw)
+
+
+def _reqs(n: int = 6, seed: int = 0) -> list[BenchRequest]:
+    spec = WorkloadSpec(num_prompts=n, seed=seed, max_model_len=MML, prompt_median=8,
+                        output_median=6)
+    return make_workload(spec, list(range(4, 500)))
+
+
+# -- workloads ------------------------------------------------------------------------------
+def test_workloads_are_seeded_and_fit() -> None:
+    vocab = list(range(10, 100))
+    for kind in ("longtail", "fixed", "chat"):
+        spec = WorkloadSpec(kind=kind, num_prompts=20, seed=3, max_model_len=256, input_len=20,
+                            output_len=10, system_len=16, user_len=8, turns=3)
+        a, b = make_workload(spec, vocab), make_workload(spec, vocab)
+        assert a == b and len(a) == 20
+        assert all(r.prompt_len + r.max_tokens <= 256 and r.max_tokens >= 1 for r in a)
+        assert all(set(r.prompt_token_ids) <= set(vocab) for r in a)
+    other = make_workload(WorkloadSpec(num_prompts=20, seed=4, max_model_len=256), vocab)
+    assert other != make_workload(WorkloadSpec(num_prompts=20, seed=3, max_model_len=256), vocab)
+    chat = make_workload(WorkloadSpec(kind="chat", num_prompts=6, max_model_len=256, system_len=16,
+                                      user_len=8, turns=3, output_len=10), vocab)
+    system = chat[0].prompt_token_ids[:16]
+    assert all(r.prompt_token_ids[:16] == system for r in chat)
+    # turn 2 of a conversation extends its turn 1 prompt (a prefix-cache hit)
+    convs = 2
+    assert chat[convs].prompt_token_ids[:24] == chat[0].prompt_token_ids
+
+
+def test_trace_and_arrivals(tmp_path: Path) -> None:
+    class Tok:
+        def encode(self, text: str) -> list[int]:
+            return [len(w) for w in text.split()]
+
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"prompt_token_ids": [5, 6, 7], "max_tokens": 4, "arrival_time": 0.5}\n\n'
+                 '{"prompt": "ab cde", "max_tokens": 2}\n')
+    reqs = load_trace(f, Tok())
+    assert reqs == [BenchRequest([5, 6, 7], 4, 0.5), BenchRequest([2, 3], 2, None, "ab cde")]
+    t = poisson_arrivals(50, 10.0, seed=1)
+    assert t == sorted(t) and t == poisson_arrivals(50, 10.0, seed=1)
+    assert poisson_arrivals(3, math.inf, 0) == [0.0, 0.0, 0.0]
+
+
+def test_report_helpers() -> None:
+    p = percentiles([1.0, 2.0, 3.0, 4.0])
+    assert p["mean"] == 2.5 and p["p50"] == 2.5 and p["p99"] == pytest.approx(3.97)
+    table = format_table([{"a": 1, "b": 0.123456}], ["a", "b"])
+    assert "0.1235" in table.splitlines()[2]
+
+
+# -- the contiguous baseline ------------------------------------------------------------------
+def test_contiguous_reserves_max_model_len_and_batches_statically(model: Path) -> None:
+    from pagedllm.engine import LLMEngine
+    from pagedllm.sampling_params import SamplingParams
+
+    class Checked(ContiguousScheduler):
+        """Logs (running ids, blocks held, table lengths) right after each schedule()."""
+
+        log: list[tuple[set[str], int, set[int]]] = []
+
+        def schedule(self):  # type: ignore[no-untyped-def]
+            out = super().schedule()
+            ids = {r.request_id for r in self.running}
+            held = self.kv.num_blocks - self.kv.num_free_blocks
+            self.log.append((ids, held, {len(self.kv.block_table(i)) for i in ids}))
+            return out
+
+    eng = LLMEngine.from_args(scheduler_cls=Checked,
+                              **_engine_kwargs(model, num_kv_blocks=3 * MML // 4 + 2))
+    per_req = -(-MML // 4)
+    for i, r in enumerate(_reqs(7)):
+        eng.add_request(f"r{i}", {"prompt_token_ids": r.prompt_token_ids},
+                        SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+        eng.check_integrity()
+    batches = []
+    prev: set[str] = set()
+    for running, held, table_lens in Checked.log:
+        assert held == per_req * len(running)  # a full max_model_len reservation each
+        assert table_lens <= {per_req}
+        if not running <= prev:  # a new batch only once the previous one is gone entirely
+            assert not running & prev
+            batches.append(running)
+        prev = running
+    assert [len(b) for b in batches] == [3, 3, 1]  # the pool holds 3 reservations
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_contiguous_greedy_outputs_equal_paged(model: Path) -> None:
+    from pagedllm.bench.baselines import EngineBackend
+
+    reqs = _reqs(6, seed=5)
+    paged = EngineBackend("pagedllm", _engine_kwargs(model), "paged").run(reqs)
+    cont = EngineBackend("contiguous", _engine_kwargs(model, num_kv_blocks=2 * MML // 4),
+                         "contiguous").run(reqs)
+    assert paged.outputs == cont.outputs
+    assert [len(o) for o in paged.outputs] == [r.max_tokens for r in reqs]
+    assert cont.stats["peak_running"] == 2
+
+
+def test_memory_replay_paged_admits_more() -> None:
+    reqs = _reqs(16)
+    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=MML)
+    nb = 4 * MML // 4  # four full reservations
+    paged = replay(reqs, Scheduler, cfg, nb, 4)
+    cont = replay(reqs, ContiguousScheduler, cfg, nb, 4)
+    assert cont.summary()["peak_running"] == 4
+    assert paged.summary()["peak_running"] >= cont.summary()["peak_running"]
+    assert paged.summary()["kv_utilization"] > cont.summary()["kv_utilization"]
+    assert all(0 < u <= 1 for u in paged.utilization if u)
+
+
+# -- the subcommands, end to end ------------------------------------------------------------
+def _run(argv: list[str], path: Path) -> dict:
+    assert main(argv) == 0
+    return json.loads(path.read_text())
+
+
+def test_bench_throughput_cli(model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "tp.json"
+    res = _run(["bench", "throughput", "--model", str(model), "--backends",
+                "pagedllm,hf,contiguous", "--reps", "1", "--warmup", "1", "--hf-batch-size", "4",
+                "--output-dir", str(tmp_path), "--output-json", str(out), *SMALL], out)
+    assert [r["backend"] for r in res["results"]] == ["pagedllm", "hf", "contiguous"]
+    for r in res["results"]:
+        for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s"):
+            assert r[k] > 0
+        assert r["output_tokens"] == res["workload"]["output_tokens"]
+    assert set(res["ratios"]) == {"pagedllm/hf", "pagedllm/contiguous"}
+    assert res["greedy_output_agreement"]["pagedllm/contiguous"] == 1.0
+    assert main(["bench", "throughput", "--backends", "nope", "--model", str(model)]) == 2
+
+
+def test_bench_memory_cli(model: Path, tmp_path: Path) -> None:
+    for mode in ("real", "replay"):
+        out = tmp_path / f"mem-{mode}.json"
+        res = _run(["bench", "memory", "--mode", mode, "--model", str(model), "--full-requests",
+                    "2", "--output-dir", str(tmp_path), "--output-json", str(out), *SMALL], out)
+        by = {r["policy"]: r for r in res["results"]}
+        assert by["paged"]["peak_running"] >= by["contiguous"]["peak_running"] == 2
+        assert res["num_kv_blocks"] == 2 * MML // 4
+        assert set(res["series"]["paged"]) == {"t", "running", "live", "reserved", "pool",
+                                                 "utilization"}
+        assert 0 < by["paged"]["kv_utilization"] <= 1
+
+
+def test_bench_block_size_cli(model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bs.json"
+    res = _run(["bench", "block-size", "--model", str(model), "--block-sizes", "1,4,64",
+                "--reps", "1", "--output-dir", str(tmp_path), "--output-json", str(out),
+                *SMALL], out)
+    assert [r["block_size"] for r in res["results"]] == [1, 4, 64]
+    assert res["best_block_size"] in (1, 4, 64)
+    r1 = res["results"][0]
+    assert r1["kv_utilization"] == 1.0 and r1["internal_fragmentation"] == 0.0
+    for r in res["results"]:
+        assert r["num_blocks"] * r["block_size"] == res["budget_tokens"]
+        assert r["prepare_ms_per_step"] > 0 and r["attention_ms_per_step"] > 0
+
+
+def test_bench_kernel_cli(tmp_path: Path) -> None:
+    out = tmp_path / "k.json"
+    res = _run(["bench", "kernel", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "16",
+                "--contexts", "8,33", "--block-sizes", "1,16", "--batch", "3", "--rounds", "1",
+                "--iters", "1", "--no-plot", "--output-dir", str(tmp_path), "--output-json",
+                str(out)], out)
+    assert len(res["results"]) == 2 * 2 * 2
+    assert set(res["summary"]) == {"decode", "prefill"}
+    assert all(r["paged_ms"] > 0 and r["contiguous_ms"] > 0 for r in res["results"])
+
+
+def test_bench_serve_cli_against_fake_server(model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    with FakeServer() as srv:
+        res = _run(["bench", "serve", "--base-url", srv.base_url, "--model", str(model),
+                    "--request-rate", "200", "--max-concurrency", "3", "--num-prompts", "5",
+                    "--prompt-median", "8", "--output-median", "6", "--max-model-len", str(MML),
+                    "--slo-ttft-ms", "10000", "--no-plot", "--output-dir", str(tmp_path),
+                    "--output-json", str(out)], out)
+    assert res["completed"] == 5 and res["failed"] == 0
+    assert res["model"] == "fake-model"
+    for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(res[m]) == {"mean", "p50", "p90", "p99"}
+    assert res["output_throughput"] > 0 and res["goodput"] == pytest.approx(res["request_throughput"])
+    assert sum(r["output_tokens"] for r in res["per_request"]) == res["workload"]["output_tokens"]
+
+
+def test_random_model_cli(model: Path, tmp_path: Path) -> None:
+    from pagedllm.config import ModelConfig
+
+    out = tmp_path / "rm"
+    assert main(["bench", "random-model", str(out), "--preset", "tiny", "--tokenizer",
+                 str(model)]) == 0
+    cfg = ModelConfig.from_hf(str(out))
+    assert cfg.num_hidden_layers == 2 and cfg.num_key_value_heads == 2
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_bench_serve_without_a_server_says_what_to_do(model: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", str(model),
+                 "--num-prompts", "1", "--max-model-len", str(MML), "--no-plot"]) == 2
+    assert "start `pagedllm serve` first" in capsys.readouterr().err
