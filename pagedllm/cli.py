@@ -33,7 +33,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--compact-below-utilization", type=float, default=None, help="defragment when utilization stays below this")
     m.add_argument("--preheat-prompts", default=None, help="file of prompts (one per line, text or a JSON list of ids) to cache at start-up")
     g.add_argument("--attention-backend", default=None, help="torch_ref | cpu (default: by device)")
+    kv_help = "auto (model dtype) | int8 | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2"
+    g.add_argument("--kv-cache-dtype", default="auto", help=f"KV cache storage: {kv_help}")
+    g.add_argument("--k-cache-dtype", default=None, help="override --kv-cache-dtype for K")
+    g.add_argument("--v-cache-dtype", default=None, help="override --kv-cache-dtype for V")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over N ranks (worker processes; CPU/gloo)")
+    g.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                   help="where ranks 1..N-1 run: mp = local worker processes (default), ray = Ray actors")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -58,6 +66,11 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         preheat_prompts=a.preheat_prompts,
         attention_backend=a.attention_backend,
         seed=a.seed,
+        kv_cache_dtype=a.kv_cache_dtype,
+        k_cache_dtype=a.k_cache_dtype,
+        v_cache_dtype=a.v_cache_dtype,
+        tensor_parallel_size=a.tensor_parallel_size,
+        distributed_executor_backend=a.distributed_executor_backend,
     )
 
 
@@ -113,7 +126,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
     m = cfg.model
     print(f"model            {m.model} ({m.architecture}, {m.num_hidden_layers} layers, "
           f"{m.num_attention_heads} q heads / {m.num_key_value_heads} kv heads, head_dim {m.head_dim}, {m.dtype})")
-    print(f"KV per token     {m.kv_bytes_per_token} bytes")
+    c = cfg.cache
+    print(f"KV per token     {c.kv_bytes_per_token(m)} bytes ({c.kv_dtype_label(m)}; "
+          f"{m.kv_bytes_per_token} at {m.dtype})")
     print(f"block            {plan.block_size} tokens = {plan.bytes_per_block} bytes")
     print(f"pool             {plan.num_blocks} blocks = {plan.num_tokens} tokens = {plan.nbytes / 2**20:.1f} MiB")
     print(f"max_model_len    {plan.max_model_len} -> {plan.max_concurrent_full_requests} full-length requests fit at once")

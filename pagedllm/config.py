@@ -26,6 +26,23 @@ _DTYPE_ALIASES = {
 }
 
 
+# KV cache storage dtypes (``--kv-cache-dtype``, vLLM's names): "auto" stores K/V at the model
+# dtype; the others store 1-byte values plus one bf16 scale per token and KV head
+# (pagedllm/attention/quant.py). "fp8" means fp8_e4m3, as in vLLM.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+_KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
+KV_SCALE_BYTES = 2  # bf16 scale per (token, KV head) of a quantized K or V
+
+
+def normalize_kv_cache_dtype(name: str, flag: str = "kv_cache_dtype") -> str:
+    resolved = _KV_CACHE_DTYPE_ALIASES.get(name, name)
+    if resolved not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"{flag}={name!r} is not supported; choose one of auto, int8, fp8, fp8_e4m3, fp8_e5m2"
+        )
+    return resolved
+
+
 def default_model_path() -> str:
     """The small Llama the project trains and ships (pagedllm/assets/default_model)."""
     return str(Path(__file__).resolve().parent / "assets" / "default_model")
@@ -202,8 +219,18 @@ class CacheConfig:
     compact_every_n_steps: int | None = None
     compact_below_utilization: float | None = None
     compact_window_steps: int = 16
+    # KV storage precision, K and V chosen separately: "auto" (model dtype) | "int8" |
+    # "fp8_e4m3" | "fp8_e5m2" (see KV_CACHE_DTYPES).
+    k_cache_dtype: str = "auto"
+    v_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        for flag in ("k_cache_dtype", "v_cache_dtype"):
+            if getattr(self, flag) not in KV_CACHE_DTYPES:
+                raise ValueError(
+                    f"{flag}={getattr(self, flag)!r} is not supported; choose one of "
+                    f"{', '.join(KV_CACHE_DTYPES)} (normalize aliases with normalize_kv_cache_dtype)"
+                )
         if self.swap_space < 0:
             raise ValueError(f"swap_space={self.swap_space} must be >= 0 bytes")
         if self.initial_num_kv_blocks is not None and self.initial_num_kv_blocks < 1:
@@ -215,6 +242,26 @@ class CacheConfig:
             raise ValueError(f"block_size={bs!r} must be a power of two in [1, 512]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
+
+    @property
+    def kv_quantized(self) -> bool:
+        return self.k_cache_dtype != "auto" or self.v_cache_dtype != "auto"
+
+    def kv_bytes_per_token(self, model: ModelConfig) -> int:
+        """Bytes of K+V per token over all layers as stored: model-dtype elements for "auto",
+        1-byte values plus a bf16 scale per KV head for a quantized K or V."""
+        elem = 4 if model.dtype == "float32" else 2
+        per_head = 0
+        for name in (self.k_cache_dtype, self.v_cache_dtype):
+            per_head += model.head_dim * elem if name == "auto" else model.head_dim + KV_SCALE_BYTES
+        return model.num_hidden_layers * model.num_key_value_heads * per_head
+
+    def kv_dtype_label(self, model: ModelConfig) -> str:
+        """'float32' or e.g. 'K float32 + V int8 (bf16 scales)' for logs and ``pagedllm plan``."""
+        k = model.dtype if self.k_cache_dtype == "auto" else self.k_cache_dtype
+        v = model.dtype if self.v_cache_dtype == "auto" else self.v_cache_dtype
+        label = k if k == v else f"K {k} + V {v}"
+        return f"{label} (bf16 scales)" if self.kv_quantized else label
 
 
 @dataclass(frozen=True)
@@ -249,6 +296,25 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism over ``tensor_parallel_size`` ranks (pagedllm/distributed/): rank 0 runs
+    in the engine process, the others in worker processes ("mp") or Ray actors ("ray")."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # "mp" | "ray"
+    timeout_s: float = 120.0  # a worker silent this long inside a step (collective, start-up) fails
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} "
+                             "must be 'mp' (worker processes) or 'ray'")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be > 0")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -258,3 +324,4 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str | None = None  # None -> chosen by device
     extra: dict[str, Any] = field(default_factory=dict)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -12,17 +12,20 @@ from pagedllm.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     default_model_path,
+    normalize_kv_cache_dtype,
     parse_memory,
 )
+from pagedllm.executor import make_executor
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.kv.swap import PreemptionCost
 from pagedllm.kv_preheat import KVMemoryController
 from pagedllm.logging_utils import init_logger
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.request import Logprob, PositionLogprobs, Request, RequestStatus
-from pagedllm.runner.model_runner import ModelRunner, PromptLogprobsChunk, SampledToken
+from pagedllm.runner.model_runner import PromptLogprobsChunk, SampledToken
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler
 from pagedllm.tokenizer import IncrementalDetokenizer, eos_token_ids, get_tokenizer
@@ -60,7 +63,7 @@ class KVPoolPlan:
 
 
 def plan_kv_pool(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> KVPoolPlan:
-    per_block = model.kv_bytes_per_token * cache.block_size
+    per_block = cache.kv_bytes_per_token(model) * cache.block_size
     blocks_per_req = -(-sched.max_model_len // cache.block_size)
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
@@ -101,9 +104,10 @@ class LLMEngine:
         self.kv_plan = plan_kv_pool(config.model, config.cache, config.scheduler)
         p = self.kv_plan
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); fits %d requests of "
-            "max_model_len=%d",
-            p.num_blocks, p.block_size, p.num_tokens, p.nbytes / 2**20, config.model.dtype,
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s, %d bytes/token); fits %d "
+            "requests of max_model_len=%d",
+            p.num_blocks, p.block_size, p.num_tokens, p.nbytes / 2**20,
+            config.cache.kv_dtype_label(config.model), p.bytes_per_block // p.block_size,
             p.max_concurrent_full_requests, p.max_model_len,
         )
         start = min(config.cache.initial_num_kv_blocks or p.num_blocks, p.num_blocks)
@@ -112,7 +116,7 @@ class LLMEngine:
         self.kv.set_max_num_blocks(p.num_blocks)  # an elastic pool grows up to the budget
         self.scheduler = scheduler_cls(config.scheduler, self.kv)
         self.scheduler.cost_model = preemption_cost(config, p.bytes_per_block)
-        self.runner = ModelRunner(config, start)
+        self.runner = make_executor(config, start)  # a ModelRunner; with TP, rank 0 of the group
         self.memory = KVMemoryController(self)
         self.groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, tuple[_Group, int]] = {}
@@ -325,6 +329,11 @@ class LLMEngine:
         )
 
     # -- introspection ----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (nothing to do in one process). Garbage collection and
+        interpreter exit do it too; the engine is unusable afterwards."""
+        self.runner.shutdown()
+
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         live = set(self.scheduler.requests)
@@ -372,7 +381,11 @@ class LLMEngine:
     def kv_stats(self) -> dict[str, Any]:
         from pagedllm.kv_preheat import kv_stats
 
-        return kv_stats(self.scheduler, self.kv)
+        stats = kv_stats(self.scheduler, self.kv)
+        c = self.config.cache
+        stats["kv_bytes_per_token"] = c.kv_bytes_per_token(self.config.model)
+        stats["k_cache_dtype"], stats["v_cache_dtype"] = c.k_cache_dtype, c.v_cache_dtype
+        return stats
 
 
 def preemption_cost(config: EngineConfig, bytes_per_block: int) -> PreemptionCost:
@@ -403,6 +416,8 @@ def build_engine_config(
     seed: int = 0,
     device: str = "cpu",
     attention_backend: str | None = None,
+    tensor_parallel_size: int = 1,
+    distributed_executor_backend: str | None = None,
     swap_space: float = 0,
     preemption_mode: str = "recompute",
     reserved_fraction: float = 0.1,
@@ -412,7 +427,12 @@ def build_engine_config(
     compact_every_n_steps: int | None = None,
     compact_below_utilization: float | None = None,
     compact_window_steps: int = 16,
+    kv_cache_dtype: str = "auto",
+    k_cache_dtype: str | None = None,
+    v_cache_dtype: str | None = None,
 ) -> EngineConfig:
+    """``kv_cache_dtype`` sets K and V storage; ``k_cache_dtype`` / ``v_cache_dtype`` override
+    one of them (e.g. kv_cache_dtype="auto", v_cache_dtype="int8")."""
     model = model or default_model_path()
     mcfg = ModelConfig.from_hf(model, dtype)
     limit = mcfg.max_position_embeddings
@@ -438,6 +458,14 @@ def build_engine_config(
             compact_every_n_steps=compact_every_n_steps,
             compact_below_utilization=compact_below_utilization,
             compact_window_steps=compact_window_steps,
+            k_cache_dtype=normalize_kv_cache_dtype(
+                kv_cache_dtype if k_cache_dtype is None else k_cache_dtype,
+                "kv_cache_dtype" if k_cache_dtype is None else "k_cache_dtype",
+            ),
+            v_cache_dtype=normalize_kv_cache_dtype(
+                kv_cache_dtype if v_cache_dtype is None else v_cache_dtype,
+                "kv_cache_dtype" if v_cache_dtype is None else "v_cache_dtype",
+            ),
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -452,6 +480,7 @@ def build_engine_config(
         seed=seed,
         device=device,
         attention_backend=attention_backend,
+        parallel=ParallelConfig(tensor_parallel_size, distributed_executor_backend or "mp"),
     )
 
 

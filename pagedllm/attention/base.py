@@ -16,6 +16,10 @@ Paged KV layout (per layer, K and V alike)::
         slot   = block * block_size + offset        (slot_mapping holds this for new tokens)
 
 Block tables are int32, padded on the right with 0 (never read past seq_lens).
+
+Quantized KV: k_cache and/or v_cache may be a ``QuantizedKV(data, scale)`` (attention/quant.py)
+instead of a tensor; backends with ``supports_quantized_kv`` quantize on write and dequantize on
+load, and the model runner refuses a quantized cache with any other backend.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from pagedllm.attention.quant import KVCacheTensor, write_slots
 
 
 @dataclass
@@ -55,9 +61,11 @@ class AttentionBackend(ABC):
     ``forward`` writes the new K/V into their slots, then attends. Shapes:
     q [T, Hq, D], k/v [T, Hkv, D], k_cache/v_cache [num_blocks, block_size, Hkv, D] -> [T, Hq, D].
     Hq is a multiple of Hkv (GQA / MQA). Accumulation is in fp32; the output has q's dtype.
+    Either cache may be a ``QuantizedKV`` when ``supports_quantized_kv`` is set.
     """
 
     name: str = "base"
+    supports_quantized_kv: bool = False
 
     @abstractmethod
     def forward(
@@ -65,8 +73,8 @@ class AttentionBackend(ABC):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCacheTensor,
+        v_cache: KVCacheTensor,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
@@ -76,11 +84,11 @@ class AttentionBackend(ABC):
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KVCacheTensor,
+    v_cache: KVCacheTensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter new K/V rows [T, Hkv, D] into their cache slots (shared by the CPU backends)."""
-    nb, bs, h, d = k_cache.shape
-    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Scatter new K/V rows [T, Hkv, D] into their cache slots (shared by the CPU backends),
+    quantizing into a ``QuantizedKV`` cache."""
+    write_slots(k, k_cache, slot_mapping)
+    write_slots(v, v_cache, slot_mapping)

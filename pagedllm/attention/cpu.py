@@ -16,6 +16,9 @@ Invariant required of the caller: every cache slot holds finite values (allocate
 with ``torch.zeros``, not ``torch.empty``). Batched decode reads the unused tail of each request's
 last block and the zero-padded block-table entries; they are masked out, but NaN/Inf there would
 still leak through ``0 * NaN``. Stale K/V of freed blocks is fine.
+
+Quantized KV (``QuantizedKV`` caches) is dequantized to fp32 right after the block gather
+(``load_blocks``), so the SDPA calls are the same as for an fp32 cache.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from pagedllm.attention.quant import KVCacheTensor, load_blocks
 
 
 class CpuBackend(AttentionBackend):
     name = "cpu"
+    supports_quantized_kv = True
     decode_group_bytes: int = 1 << 18
 
     def forward(
@@ -35,8 +40,8 @@ class CpuBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCacheTensor,
+        v_cache: KVCacheTensor,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
@@ -72,8 +77,8 @@ class CpuBackend(AttentionBackend):
     def _decode(
         q: torch.Tensor,
         out: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCacheTensor,
+        v_cache: KVCacheTensor,
         meta: AttentionMetadata,
         reqs: list[int],
         max_len: int,
@@ -89,8 +94,8 @@ class CpuBackend(AttentionBackend):
         s = num_blocks * block_size
         tables = meta.block_tables[first:last, :num_blocks].long()  # [b, nb]
         # [b, nb, bs, Hkv, D] -> [b, Hkv, S, D]
-        kg = k_cache[tables].view(b, s, num_kv_heads, head_dim).transpose(1, 2).float()
-        vg = v_cache[tables].view(b, s, num_kv_heads, head_dim).transpose(1, 2).float()
+        kg = load_blocks(k_cache, tables).view(b, s, num_kv_heads, head_dim).transpose(1, 2).float()
+        vg = load_blocks(v_cache, tables).view(b, s, num_kv_heads, head_dim).transpose(1, 2).float()
         qg = q[rows].float().view(b, num_kv_heads, group, head_dim)  # GQA group as query axis
         lens = meta.seq_lens[first:last].to(torch.int64)[:, None]  # [b, 1]
         mask: torch.Tensor | None = None
@@ -107,8 +112,8 @@ class CpuBackend(AttentionBackend):
     def _prefill(
         q: torch.Tensor,
         out: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCacheTensor,
+        v_cache: KVCacheTensor,
         meta: AttentionMetadata,
         i: int,
         scale: float,
@@ -126,8 +131,9 @@ class CpuBackend(AttentionBackend):
         num_blocks = -(-seq_len // block_size)
         tables = meta.block_tables[i, first_block:num_blocks].long()
         length = seq_len - start
-        kg = k_cache[tables].view(1, -1, num_kv_heads, head_dim)[:, :length].transpose(1, 2).float()
-        vg = v_cache[tables].view(1, -1, num_kv_heads, head_dim)[:, :length].transpose(1, 2).float()
+        kg = load_blocks(k_cache, tables).view(1, -1, num_kv_heads, head_dim)[:, :length]
+        vg = load_blocks(v_cache, tables).view(1, -1, num_kv_heads, head_dim)[:, :length]
+        kg, vg = kg.transpose(1, 2).float(), vg.transpose(1, 2).float()
         qi = q[rows].float().unsqueeze(0).transpose(1, 2)  # [1, Hq, n, D]
         if length == n and sliding_window is None:
             o = F.scaled_dot_product_attention(

@@ -2,7 +2,8 @@
 
 Every fast backend is tested against this one. It reads exactly the ``seq_lens[i]`` cached tokens
 of each request (never a padded slot), so it is also the reference for what "correct" means when
-a block holds stale data past the end of a sequence.
+a block holds stale data past the end of a sequence. A quantized cache is dequantized to fp32
+on gather, so this is also the reference for what the other backends must compute over it.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from pagedllm.attention.quant import KVCacheTensor, load_blocks
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first ``seq_len`` cached rows of one request: [seq_len, Hkv, D].
+def gather_kv(cache: KVCacheTensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` cached rows of one request: [seq_len, Hkv, D] (fp32 if quantized).
 
     block_table = [7, 2, 9]   block_size = 4   seq_len = 10
     positions 0..3 -> block 7, 4..7 -> block 2, 8..9 -> block 9 (offsets 0, 1)
@@ -21,7 +23,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     _, block_size, h, d = cache.shape
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks].long()
-    return cache[blocks].reshape(num_blocks * block_size, h, d)[:seq_len]
+    return load_blocks(cache, blocks).reshape(num_blocks * block_size, h, d)[:seq_len]
 
 
 def attention_mask(
@@ -39,14 +41,15 @@ def attention_mask(
 
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
+    supports_quantized_kv = True
 
     def forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCacheTensor,
+        v_cache: KVCacheTensor,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,

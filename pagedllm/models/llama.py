@@ -14,23 +14,28 @@ from torch import nn
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.group import TPGroup, rows, shard_heads
 from pagedllm.layers import MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
+from pagedllm.layers.linear import row_parallel_linear
 from pagedllm.layers.rotary import apply_rotary
 from pagedllm.models.base import CausalLM, KVCache
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
+        hs = shard_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp)  # this rank's heads
+        self.num_heads, self.num_kv_heads = hs.num_heads, hs.num_kv_heads
+        self.head_dim = d = cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        kv_rows = rows(hs.kv_start, hs.num_kv_heads, d)
         self.qkv_proj = MergedLinear(
-            cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias
+            cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias,
+            source_rows=None if tp is None else [rows(hs.q_start, hs.num_heads, d), kv_rows, kv_rows],
         )
         # Qwen2 biases q/k/v only; Llama's attention_bias covers o_proj too.
         o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=o_bias)
+        self.o_proj = row_parallel_linear(q_size, cfg.hidden_size, o_bias, tp)
         self.backend = backend
         self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
@@ -55,11 +60,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        i = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i], bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
+        start, i = tp.split(cfg.intermediate_size, "intermediate_size") if tp else (0, cfg.intermediate_size)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i], bias=cfg.mlp_bias,
+                                         source_rows=None if tp is None else [rows(start, i)] * 2)
+        self.down_proj = row_parallel_linear(i, cfg.hidden_size, cfg.mlp_bias, tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,10 +73,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, backend, tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -87,11 +93,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # replicated under TP
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, backend, tp) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
@@ -121,11 +127,12 @@ class LlamaForCausalLM(CausalLM):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPGroup | None = None) -> None:
+        """``tp``: this rank's tensor-parallel group (see distributed/group.py); None: unsharded."""
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = LlamaModel(cfg, backend, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # replicated
         if cfg.tie_word_embeddings:
             self.tie_weights()
 

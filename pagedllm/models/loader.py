@@ -7,13 +7,16 @@
     anything else                            ->  the parameter of the same name
 
 The fuse table is the model class's ``FUSED_WEIGHTS``; shard row ranges come from the fused
-module's ``output_sizes`` (layers/linear.py).
+module's ``output_sizes`` (layers/linear.py). Under tensor parallelism a module's
+``source_index`` names the slice of the checkpoint tensor this rank owns, and only that slice is
+read (``safe_open(...).get_slice``), so no rank ever holds a full sharded tensor.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -21,8 +24,12 @@ from safetensors import safe_open
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.config import ModelConfig
 from pagedllm.layers import MergedLinear, RotaryEmbedding
+from pagedllm.layers.linear import RowParallelLinear
 from pagedllm.models.base import CausalLM
 from pagedllm.models.registry import get_model_class
+
+if TYPE_CHECKING:
+    from pagedllm.distributed.group import TPGroup
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints saved this buffer
 
@@ -44,11 +51,13 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def load_model(config: ModelConfig, backend: AttentionBackend, device: str = "cpu") -> CausalLM:
-    """The model at ``config.dtype`` on ``device``, in eval mode, weights from ``config.model``."""
+def load_model(config: ModelConfig, backend: AttentionBackend, device: str = "cpu",
+               tp: TPGroup | None = None) -> CausalLM:
+    """The model at ``config.dtype`` on ``device``, in eval mode, weights from ``config.model``;
+    with ``tp``, this rank's shard of it."""
     cls = get_model_class(config.architecture)
     with torch.device("meta"):
-        model = cls(config, backend)
+        model = cls(config, backend) if tp is None else cls(config, backend, tp)  # type: ignore[call-arg]
     model.to(getattr(torch, config.dtype)).to_empty(device=device)
     for m in model.modules():
         if isinstance(m, RotaryEmbedding):  # non-persistent fp32 table, recomputed, not loaded
@@ -87,11 +96,14 @@ def load_model(config: ModelConfig, backend: AttentionBackend, device: str = "cp
                     continue
                 param = params[name]
                 dst = param.data
+                module = model.get_submodule(name.rpartition(".")[0])
                 if shard is not None:
-                    module = model.get_submodule(name.rpartition(".")[0])
                     assert isinstance(module, MergedLinear)
                     dst = dst[module.shard_rows(shard)]
-                tensor = f.get_tensor(ckpt_name)
+                index = None
+                if tp is not None and isinstance(module, (MergedLinear, RowParallelLinear)):
+                    index = module.source_index(shard, name.rpartition(".")[2])
+                tensor = f.get_tensor(ckpt_name) if index is None else f.get_slice(ckpt_name)[index]
                 if tensor.shape != dst.shape:
                     raise ValueError(
                         f"{file.name}: tensor {ckpt_name} has shape {tuple(tensor.shape)}, the model "

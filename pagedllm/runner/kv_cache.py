@@ -13,13 +13,31 @@ tensor copy per block. The gather completes before the scatter, so a batch may r
 another pair of the same batch overwrites.
 
 The host tier (``num_host_blocks`` > 0) has the same layout on the CPU, pinned when CUDA is used.
+
+Quantized storage (``k_cache_dtype`` / ``v_cache_dtype`` not "auto", see attention/quant.py)
+adds planes beside the K/V data; every plane has the block axis at dim 2, so every block move
+moves a block's values and scales together::
+
+    data    [2, L, num_blocks, block_size, Hkv, D]   K and V in one plane when they share a dtype,
+    or      [1, L, ...] twice                         else a K plane and a V plane
+    scales  [n, L, num_blocks, block_size, Hkv] bf16  n = how many of K, V are quantized (0: none)
+
+A quantized layer cache is handed to the backends as ``QuantizedKV(data, scale)`` views.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedllm.config import ModelConfig
+from pagedllm.attention.quant import (
+    QMAX,
+    QUANT_DTYPES,
+    SCALE_DTYPE,
+    KVCacheTensor,
+    QuantizedKV,
+    raw,
+)
+from pagedllm.config import CacheConfig, ModelConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -28,8 +46,13 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def kv_bytes_per_block(model: ModelConfig, block_size: int) -> int:
-    return model.kv_bytes_per_token * block_size
+def kv_bytes_per_block(model: ModelConfig, cache: CacheConfig) -> int:
+    return cache.kv_bytes_per_token(model) * cache.block_size
+
+
+def storage_dtype(kv_cache_dtype: str, model_dtype: str) -> torch.dtype:
+    """The tensor dtype K or V is stored in: the model dtype for "auto", else int8 / fp8."""
+    return torch_dtype(model_dtype) if kv_cache_dtype == "auto" else QUANT_DTYPES[kv_cache_dtype]
 
 
 def _index(ids: list[int], device: torch.device) -> torch.Tensor:
@@ -40,68 +63,103 @@ class KVCache:
     def __init__(
         self, model: ModelConfig, num_blocks: int, block_size: int, device: str = "cpu",
         num_host_blocks: int = 0,
+        k_cache_dtype: str = "auto",
+        v_cache_dtype: str = "auto",
     ) -> None:
         self.block_size = block_size
         self.device = torch.device(device)
-        self._shape = (model.num_key_value_heads, model.head_dim)
         self._layers = model.num_hidden_layers
-        self._dtype = torch_dtype(model.dtype)
-        self.storage = self._alloc(num_blocks, self.device)
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        kd = storage_dtype(k_cache_dtype, model.dtype)
+        vd = storage_dtype(v_cache_dtype, model.dtype)
+        self._quant = (kd in QMAX, vd in QMAX)
+        row = (model.num_key_value_heads, model.head_dim)
+        # (planes along dim 0, row shape, dtype) of each plane; see the module docstring
+        self._specs: list[tuple[int, tuple[int, ...], torch.dtype]] = (
+            [(2, row, kd)] if kd == vd else [(1, row, kd), (1, row, vd)]
+        )
+        if any(self._quant):
+            self._specs.append((sum(self._quant), row[:1], SCALE_DTYPE))
+        self.planes = self._alloc(num_blocks, self.device)
+        self.layers: list[tuple[KVCacheTensor, KVCacheTensor]] = []
         self._make_views()
-        self.host: torch.Tensor | None = None
+        self.host: list[torch.Tensor] | None = None
         if num_host_blocks > 0:
             pin = self.device.type == "cuda"
             self.host = self._alloc(num_host_blocks, torch.device("cpu"), pin)
 
-    def _alloc(self, num_blocks: int, device: torch.device, pin: bool = False) -> torch.Tensor:
-        # [2, L, num_blocks, block_size, Hkv, D]
-        return torch.zeros(2, self._layers, num_blocks, self.block_size, *self._shape,
-                           dtype=self._dtype, device=device, pin_memory=pin)
+    def _alloc(self, num_blocks: int, device: torch.device, pin: bool = False) -> list[torch.Tensor]:
+        # each [n, L, num_blocks, block_size, *row]
+        return [
+            torch.zeros(n, self._layers, num_blocks, self.block_size, *row, dtype=dtype,
+                        device=device, pin_memory=pin)
+            for n, row, dtype in self._specs
+        ]
 
     def _make_views(self) -> None:
-        self.layers[:] = [(self.storage[0, i], self.storage[1, i]) for i in range(self._layers)]
+        p = self.planes
+        k_data, v_data = (p[0][0], p[0][1]) if p[0].shape[0] == 2 else (p[0][0], p[1][0])
+        k_scale = p[-1][0] if self._quant[0] else None  # [L, nb, bs, Hkv]
+        v_scale = p[-1][-1] if self._quant[1] else None
+
+        def view(data: torch.Tensor, scale: torch.Tensor | None, i: int) -> KVCacheTensor:
+            return data[i] if scale is None else QuantizedKV(data[i], scale[i])
+
+        self.layers[:] = [
+            (view(k_data, k_scale, i), view(v_data, v_scale, i)) for i in range(self._layers)
+        ]
+
+    @property
+    def storage(self) -> torch.Tensor:
+        """The K/V data plane [2, L, num_blocks, block_size, Hkv, D] (K's alone when K and V
+        differ in dtype); the whole cache when K/V are stored at the model dtype."""
+        return self.planes[0]
 
     @property
     def num_blocks(self) -> int:
-        return self.storage.shape[2]
+        return self.planes[0].shape[2]
 
     # -- batched block moves ------------------------------------------------------------------
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Device -> device: block dst := block src for every (src, dst)."""
         if pairs:
             src, dst = zip(*pairs)
-            gathered = self.storage.index_select(2, _index(list(src), self.device))
-            self.storage.index_copy_(2, _index(list(dst), self.device), gathered)
+            src_i, dst_i = _index(list(src), self.device), _index(list(dst), self.device)
+            for plane in map(raw, self.planes):
+                plane.index_copy_(2, dst_i, plane.index_select(2, src_i))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Device -> host for every (device block, host block)."""
         if pairs:
             assert self.host is not None, "swap_out without a host tier (swap_space=0)"
             dev, host = zip(*pairs)
-            data = self.storage.index_select(2, _index(list(dev), self.device))
-            self.host.index_copy_(2, _index(list(host), torch.device("cpu")), data.to("cpu"))
+            dev_i, host_i = _index(list(dev), self.device), _index(list(host), torch.device("cpu"))
+            for plane, host_plane in zip(self.planes, self.host, strict=True):
+                data = raw(plane).index_select(2, dev_i).to("cpu")
+                raw(host_plane).index_copy_(2, host_i, data)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Host -> device for every (host block, device block)."""
         if pairs:
             assert self.host is not None, "swap_in without a host tier (swap_space=0)"
             host, dev = zip(*pairs)
-            data = self.host.index_select(2, _index(list(host), torch.device("cpu")))
-            data = data.to(self.device, non_blocking=self.host.is_pinned())
-            self.storage.index_copy_(2, _index(list(dev), self.device), data)
+            dev_i, host_i = _index(list(dev), self.device), _index(list(host), torch.device("cpu"))
+            for plane, host_plane in zip(self.planes, self.host, strict=True):
+                data = raw(host_plane).index_select(2, host_i)
+                data = data.to(self.device, non_blocking=host_plane.is_pinned())
+                raw(plane).index_copy_(2, dev_i, data)
 
     def resize(self, num_blocks: int) -> None:
         """Grow (new blocks zeroed) or shrink (drop the tail) the device pool; rebinds views."""
-        old = self.storage
-        if num_blocks == old.shape[2]:
+        old = self.planes
+        if num_blocks == self.num_blocks:
             return
         new = self._alloc(num_blocks, self.device)
-        keep = min(num_blocks, old.shape[2])
-        new[:, :, :keep] = old[:, :, :keep]
-        self.storage = new
+        keep = min(num_blocks, self.num_blocks)
+        for new_plane, old_plane in zip(new, old, strict=True):
+            new_plane[:, :, :keep] = old_plane[:, :, :keep]
+        self.planes = new
         self._make_views()
 
     @property
     def nbytes(self) -> int:
-        return self.storage.numel() * self.storage.element_size()
+        return sum(plane.numel() * plane.element_size() for plane in self.planes)

@@ -21,6 +21,7 @@ import torch
 
 from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.group import TPGroup, local_kv_model
 from pagedllm.layers.sampler import SamplingMetadata, sample
 from pagedllm.models.loader import load_model
 from pagedllm.runner.kv_cache import KVCache, kv_bytes_per_block
@@ -54,15 +55,24 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, tp: TPGroup | None = None) -> None:
+        """``tp``: this rank's tensor-parallel group; the model and KV cache hold its heads only."""
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
         self.backend = get_backend(config.attention_backend, config.device)
-        self.model = load_model(config.model, self.backend, config.device)
-        host = config.cache.swap_space // kv_bytes_per_block(config.model, self.block_size)
-        self.kv_cache = KVCache(config.model, num_blocks, self.block_size, config.device, host)
+        self.model = load_model(config.model, self.backend, config.device, tp)
+        cache = config.cache
+        if cache.kv_quantized and not self.backend.supports_quantized_kv:
+            raise ValueError(
+                f"attention backend {self.backend.name!r} does not read a quantized KV cache "
+                f"(k_cache_dtype={cache.k_cache_dtype!r}, v_cache_dtype={cache.v_cache_dtype!r}); "
+                f"use --kv-cache-dtype auto or a backend that does: torch_ref, cpu, triton"
+            )
+        host = cache.swap_space // kv_bytes_per_block(config.model, cache)
+        self.kv_cache = KVCache(local_kv_model(config.model, tp), num_blocks, self.block_size, config.device, host,
+                                cache.k_cache_dtype, cache.v_cache_dtype)
         self.generators: dict[str, torch.Generator] = {}
         torch.manual_seed(config.seed)
 
@@ -163,7 +173,7 @@ class ModelRunner:
         if not sched:
             return result
         input_ids, positions, meta = self.prepare(sched)
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # [T, hidden]
+        hidden = self.run_model(input_ids, positions, meta)  # [T, hidden]
 
         last_rows = [meta.query_start_loc_cpu[i + 1] - 1 for i in range(len(sched))]
         sampling = [i for i, s in enumerate(sched) if s.samples]
@@ -192,6 +202,11 @@ class ModelRunner:
                     s, hidden, meta.query_start_loc_cpu[i]
                 )
         return result
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """The forward of a prepared step (a tensor-parallel driver first sends it to its workers)."""
+        return self.model(input_ids, positions, self.kv_cache.layers, meta)
 
     def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor, row0: int) -> PromptLogprobsChunk:
         """Row at position p predicts prompt token p+1, for p < num_prompt_tokens - 1."""

@@ -259,6 +259,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
     from pagedllm.attention.triton import decode, kv_write, prefill
 
     def compile_for(kernel, ptrs, consts, arch):
+        defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
+        consts = {**defaults, **consts}
         sig = {}
         for name in kernel.arg_names:
             if name in consts:

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.attention.quant import KVCacheTensor
 from pagedllm.attention.triton import common
 from pagedllm.attention.triton.decode import decode_attention
 from pagedllm.attention.triton.kv_write import write_kv
@@ -42,6 +43,7 @@ class TritonBackend(AttentionBackend):
     """
 
     name = "triton"
+    supports_quantized_kv = True
     decode_target_programs: int = 256
     decode_min_split_len: int = 256
 
@@ -61,8 +63,8 @@ class TritonBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCacheTensor,
+        v_cache: KVCacheTensor,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,

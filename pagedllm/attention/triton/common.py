@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
+
+from pagedllm.attention.quant import QMAX, KVCacheTensor, QuantizedKV
 
 # Whether ``@triton.jit`` produced interpreted functions (TRITON_INTERPRET=1 when triton was first
 # imported): the kernels then run in numpy on CPU tensors.
 INTERPRET: bool = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
 
-# KV cache dtypes the attention kernels load directly. Quantized KV (int8/fp8 + scales) is a
-# separate piece of work: it adds a dequantize-on-load where the kernels say "Quantized KV hook".
+# KV cache dtypes the attention kernels load directly; a QuantizedKV cache (int8 / fp8 values +
+# bf16 scales, attention/quant.py) is dequantized on load where the kernels say "Quantized KV".
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -28,18 +32,48 @@ def dot_config(dtype: torch.dtype) -> tuple[bool, str]:
     return upcast, "ieee" if upcast else "tf32"
 
 
-def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """The paged layout the kernels assume: [num_blocks, block_size, Hkv, D], D contiguous."""
-    assert k_cache.dim() == 4, (
-        f"cache must be [num_blocks, block_size, Hkv, D], got {k_cache.shape}"
-    )
-    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
-    assert k_cache.dtype == v_cache.dtype
-    if k_cache.dtype not in KV_DTYPES:
-        raise NotImplementedError(
-            f"the triton backend reads KV caches of {KV_DTYPES}, got {k_cache.dtype}; quantized "
-            f"KV (int8/fp8, dequantize-on-load) is not built yet"
+class CacheArgs(NamedTuple):
+    """What the kernels take for a (k_cache, v_cache) pair: data tensors, scale tensors (the data
+    tensor stands in, never read, for a cache that is not quantized), the scales' strides
+    (block, offset, head; shared by K and V), and which of K, V is quantized."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    scale_strides: tuple[int, int, int]
+    k_quant: bool
+    v_quant: bool
+
+
+def check_cache(k_cache: KVCacheTensor, v_cache: KVCacheTensor) -> CacheArgs:
+    """The paged layout the kernels assume: [num_blocks, block_size, Hkv, D], D contiguous;
+    K and V share strides; either may be quantized (scales [num_blocks, block_size, Hkv])."""
+    k, v = _data(k_cache), _data(v_cache)
+    assert k.dim() == 4, f"cache must be [num_blocks, block_size, Hkv, D], got {k.shape}"
+    assert k.shape == v.shape and k.stride() == v.stride()
+    for t in (k, v):
+        if t.dtype not in KV_DTYPES and t.dtype not in QMAX:
+            raise NotImplementedError(
+                f"the triton backend reads KV caches of {KV_DTYPES} or int8/fp8 values with "
+                f"scales (QuantizedKV), got {t.dtype}"
+            )
+        assert t.dtype in KV_DTYPES or isinstance(k_cache if t is k else v_cache, QuantizedKV), (
+            f"a {t.dtype} cache needs its scales: pass a QuantizedKV"
         )
-    assert k_cache.stride(3) == 1, "cache head_dim must be contiguous"
-    block_size = k_cache.shape[1]
+    assert k.stride(3) == 1, "cache head_dim must be contiguous"
+    block_size = k.shape[1]
     assert block_size & (block_size - 1) == 0, f"block_size must be a power of two: {block_size}"
+    ks = k_cache.scale if isinstance(k_cache, QuantizedKV) else None
+    vs = v_cache.scale if isinstance(v_cache, QuantizedKV) else None
+    strides: tuple[int, int, int] = (0, 0, 0)
+    for sc in (ks, vs):
+        if sc is not None:
+            assert strides == (0, 0, 0) or strides == sc.stride(), "K/V scales must share strides"
+            strides = (sc.stride(0), sc.stride(1), sc.stride(2))
+    return CacheArgs(k, v, k if ks is None else ks, v if vs is None else vs, strides,
+                     ks is not None, vs is not None)
+
+
+def _data(cache: KVCacheTensor) -> torch.Tensor:
+    return cache.data if isinstance(cache, QuantizedKV) else cache

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.attention.quant import KVCacheTensor
 from pagedllm.attention.triton.common import check_cache, dot_config, next_pow2
 
 
@@ -33,6 +34,8 @@ def _decode_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,
+    k_scale_ptr,  # [num_blocks, block_size, Hkv] bf16 (used when K_QUANT)
+    v_scale_ptr,  # (used when V_QUANT)
     out_ptr,  # [T, Hq, D] (one split) or partial out [R, Hq, S, BLOCK_D] fp32
     lse_ptr,  # [R, Hq, S] fp32 (several splits)
     reqs_ptr,  # [R] int32: request index of each decode row
@@ -50,6 +53,9 @@ def _decode_kernel(
     stride_cb,
     stride_co,
     stride_ch,
+    stride_sb,  # scale strides: block, offset, head
+    stride_so,
+    stride_sh,
     stride_bt,
     head_dim,
     GROUP: tl.constexpr,
@@ -61,6 +67,8 @@ def _decode_kernel(
     SPLIT: tl.constexpr,  # write partials + lse instead of the output
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
+    K_QUANT: tl.constexpr = False,  # K is int8/fp8 values * per-token, per-head scales
+    V_QUANT: tl.constexpr = False,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -104,10 +112,17 @@ def _decode_kernel(
             row_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_co
         kv_off = row_off[:, None] + kv_head * stride_ch + d[None, :]
         kv_mask = k_mask[:, None] & d_mask[None, :]
-        # Quantized KV hook: dequantize k and v here (load the per-token, per-head scales at
-        # row_off's slots and multiply) before they meet the dots.
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [TILE_N, BLOCK_D]
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        # Quantized KV: dequantize on load (value * its token's, head's scale), in fp32, then to
+        # the dot's operand dtype
+        scale_off = block * stride_sb + (pos % BLOCK_SIZE) * stride_so + kv_head * stride_sh
+        if K_QUANT:
+            ks = tl.load(k_scale_ptr + scale_off, mask=k_mask, other=0.0).to(tl.float32)
+            k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
+        if V_QUANT:
+            vs = tl.load(v_scale_ptr + scale_off, mask=k_mask, other=0.0).to(tl.float32)
+            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -203,8 +218,8 @@ def decode_tile_n(head_dim: int) -> int:
 
 def decode_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KVCacheTensor,
+    v_cache: KVCacheTensor,
     out: torch.Tensor,
     reqs: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -221,7 +236,7 @@ def decode_attention(
     q/out [T, Hq, D], caches [num_blocks, block_size, Hkv, D], metadata as in AttentionMetadata;
     ``max_seq_len`` bounds the decode requests' seq_lens (it sizes the split-K grid).
     """
-    check_cache(k_cache, v_cache)
+    c = check_cache(k_cache, v_cache)
     num_rows = reqs.shape[0]
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -248,8 +263,10 @@ def decode_attention(
         dst, lse, dst_strides = out, out, (out.stride(0), out.stride(1), 0)
     _decode_kernel[(num_rows, num_kv_heads, splits.num_splits)](
         q,
-        k_cache,
-        v_cache,
+        c.k,
+        c.v,
+        c.k_scale,
+        c.v_scale,
         dst,
         lse,
         reqs,
@@ -262,9 +279,10 @@ def decode_attention(
         q.stride(0),
         q.stride(1),
         *dst_strides,
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        c.k.stride(0),
+        c.k.stride(1),
+        c.k.stride(2),
+        *c.scale_strides,
         block_tables.stride(0),
         head_dim,
         GROUP=group,
@@ -276,6 +294,8 @@ def decode_attention(
         SPLIT=split,
         DOT_FP32=dot_fp32,
         PRECISION=precision,
+        K_QUANT=c.k_quant,
+        V_QUANT=c.v_quant,
     )
     if not split:
         return

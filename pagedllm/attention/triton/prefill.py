@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.attention.quant import KVCacheTensor
 from pagedllm.attention.triton.common import check_cache, dot_config, next_pow2
 
 
@@ -29,6 +30,8 @@ def _prefill_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,
+    k_scale_ptr,  # [num_blocks, block_size, Hkv] bf16 (used when K_QUANT)
+    v_scale_ptr,  # (used when V_QUANT)
     out_ptr,  # [T, Hq, D]
     reqs_ptr,  # [P] int32: request index of each prefill request
     query_start_loc_ptr,  # [B+1] int32
@@ -43,6 +46,9 @@ def _prefill_kernel(
     stride_cb,
     stride_co,
     stride_ch,
+    stride_sb,  # scale strides: block, offset, head
+    stride_so,
+    stride_sh,
     stride_bt,
     head_dim,
     GROUP: tl.constexpr,
@@ -54,6 +60,8 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
+    K_QUANT: tl.constexpr = False,  # K is int8/fp8 values * per-token, per-head scales
+    V_QUANT: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     req = tl.load(reqs_ptr + tl.program_id(1))
@@ -100,9 +108,16 @@ def _prefill_kernel(
         row_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_co
         kv_off = row_off[:, None] + kv_head * stride_ch + d[None, :]
         kv_mask = k_mask[:, None] & d_mask[None, :]
-        # Quantized KV hook: dequantize k and v here (see decode.py).
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [TILE_N, BLOCK_D]
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        # Quantized KV: dequantize on load (see decode.py)
+        scale_off = block * stride_sb + (pos % BLOCK_SIZE) * stride_so + kv_head * stride_sh
+        if K_QUANT:
+            ks = tl.load(k_scale_ptr + scale_off, mask=k_mask, other=0.0).to(tl.float32)
+            k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
+        if V_QUANT:
+            vs = tl.load(v_scale_ptr + scale_off, mask=k_mask, other=0.0).to(tl.float32)
+            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -134,8 +149,8 @@ def prefill_tiles(head_dim: int, group: int) -> tuple[int, int]:
 
 def prefill_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KVCacheTensor,
+    v_cache: KVCacheTensor,
     out: torch.Tensor,
     reqs: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -149,7 +164,7 @@ def prefill_attention(
 
     ``max_query_len`` bounds their query lengths (it sizes the grid).
     """
-    check_cache(k_cache, v_cache)
+    c = check_cache(k_cache, v_cache)
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
@@ -164,8 +179,10 @@ def prefill_attention(
     grid = (triton.cdiv(max_query_len, block_q), reqs.shape[0], num_kv_heads)
     _prefill_kernel[grid](
         q,
-        k_cache,
-        v_cache,
+        c.k,
+        c.v,
+        c.k_scale,
+        c.v_scale,
         out,
         reqs,
         query_start_loc,
@@ -177,9 +194,10 @@ def prefill_attention(
         q.stride(1),
         out.stride(0),
         out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        c.k.stride(0),
+        c.k.stride(1),
+        c.k.stride(2),
+        *c.scale_strides,
         block_tables.stride(0),
         head_dim,
         GROUP=group,
@@ -191,4 +209,6 @@ def prefill_attention(
         USE_WINDOW=sliding_window is not None,
         DOT_FP32=dot_fp32,
         PRECISION=precision,
+        K_QUANT=c.k_quant,
+        V_QUANT=c.v_quant,
     )

@@ -1,0 +1,161 @@
+"""A tensor-parallel worker: ranks 1..N-1 (rank 0 is the engine process, see executor/multiproc.py).
+
+Life of a worker::
+
+    start ── load this rank's weight shard, allocate its KV heads ──▶ send ("ready", pid, host)
+          ◀── ("connect",) ── join the gloo process group (all ranks at once)
+          loop: ("step", input_ids, positions, meta)  forward; its all-reduces pair with rank 0's
+                ("kv", method, arg)                    copy_blocks | swap_out | swap_in | resize
+                ("shutdown",)                          return
+    on any error: send ("error", rank, traceback), exit non-zero
+
+Rank 0 sends every message to every worker over a ``multiprocessing`` connection (a pipe, or TCP
+for Ray actors): pickled once, the same bytes to each worker (``send_message``). Waiting for the
+next message has no timeout (an idle server is fine) but ends at once when the engine goes away
+(end of file). A worker never samples: only rank 0 computes logits.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import traceback
+from dataclasses import fields
+from datetime import timedelta
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.attention import AttentionMetadata
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.group import TPGroup
+
+Message = tuple[Any, ...]
+
+
+def send_message(conns: list[Connection], msg: Message) -> int:
+    """Pickle ``msg`` once and send it to every connection; returns the size in bytes."""
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    for c in conns:
+        c.send_bytes(data)
+    return len(data)
+
+
+def recv_message(conn: Connection) -> Message:
+    return pickle.loads(conn.recv_bytes())  # type: ignore[no-any-return]
+
+
+def pack_meta(meta: AttentionMetadata) -> dict[str, Any]:
+    """Tensors -> numpy (no copy on CPU), other fields as they are; generic over the fields."""
+    return {f.name: _to_numpy(getattr(meta, f.name)) for f in fields(meta)}
+
+
+def unpack_meta(d: dict[str, Any], device: torch.device) -> AttentionMetadata:
+    return AttentionMetadata(**{k: _to_tensor(v, device) for k, v in d.items()})
+
+
+def _to_numpy(v: Any) -> Any:
+    return v.cpu().numpy() if isinstance(v, torch.Tensor) else v
+
+
+def _to_tensor(v: Any, device: torch.device) -> Any:
+    return torch.from_numpy(v).to(device) if isinstance(v, np.ndarray) else v
+
+
+def make_process_group(store: Any, rank: int, size: int, host: str, timeout_s: float) -> Any:
+    """A gloo process group over ``store`` (a torch.distributed TCPStore), its own object: no
+    global default group, so several engines can live in one process one after another."""
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore("pagedllm_tp", store)
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._timeout = timedelta(seconds=timeout_s)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(prefixed, rank, size, opts)
+
+
+def worker_main(
+    rank: int,
+    config: EngineConfig,
+    num_blocks: int,
+    conn: Connection | tuple[str, int],
+    store_addr: tuple[str, int],
+    host: str,
+    num_threads: int,
+    authkey: bytes | None = None,
+) -> None:
+    """Entry point of rank ``rank`` (a spawned process, or a Ray actor's method). ``conn`` is the
+    pipe to rank 0, or the (host, port) of rank 0's listener; ``host`` is this rank's address
+    for gloo."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the engine, which stops us
+    if not isinstance(conn, Connection):
+        conn = Client(conn, authkey=authkey)
+        conn.send_bytes(pickle.dumps(rank))
+    try:
+        _watch_parent()
+        _serve(rank, config, num_blocks, conn, store_addr, host, num_threads)
+    except EOFError:
+        return  # the engine is gone: nothing to report to
+    except BaseException:
+        try:
+            send_message([conn], ("error", rank, traceback.format_exc()))
+        except OSError:
+            pass
+        raise
+
+
+def _serve(rank: int, config: EngineConfig, num_blocks: int, conn: Connection,
+           store_addr: tuple[str, int], host: str, num_threads: int) -> None:
+    import torch.distributed as dist
+
+    from pagedllm.runner.model_runner import ModelRunner
+
+    torch.set_num_threads(num_threads)
+    size = config.parallel.tensor_parallel_size
+    tp = TPGroup(rank, size)
+    runner = ModelRunner(config, num_blocks, tp)
+    send_message([conn], ("ready", os.getpid(), host))
+    msg = recv_message(conn)
+    if msg[0] == "shutdown":
+        return
+    assert msg[0] == "connect", msg
+    timeout = config.parallel.timeout_s
+    store = dist.TCPStore(store_addr[0], store_addr[1], size, False, timeout=timedelta(seconds=timeout))
+    tp.pg = make_process_group(store, rank, size, host, timeout)
+    device = runner.device
+    with torch.inference_mode():
+        while True:
+            msg = recv_message(conn)
+            kind = msg[0]
+            if kind == "step":
+                _, ids, pos, meta = msg
+                runner.run_model(torch.from_numpy(ids).to(device), torch.from_numpy(pos).to(device),
+                                 unpack_meta(meta, device))
+            elif kind == "kv":
+                getattr(runner.kv_cache, msg[1])(msg[2])
+            elif kind == "shutdown":
+                return
+            else:
+                raise RuntimeError(f"unknown message {kind!r} from rank 0")
+
+
+def _watch_parent() -> None:
+    """A spawned worker exits when the engine process dies, even in the middle of loading weights
+    (a Ray actor is reaped by Ray instead)."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pagedllm-parent-watch", daemon=True).start()
