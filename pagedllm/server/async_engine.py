@@ -138,6 +138,7 @@ class AsyncEngine:
         self._commands.put(_Stop())
         await asyncio.to_thread(self._thread.join, timeout)
         self._thread = None
+        self.engine.shutdown()  # stops tensor-parallel workers; a no-op in one process
 
     @property
     def is_running(self) -> bool:
@@ -276,6 +277,8 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
             logger.exception("engine step failed; failing %d in-flight requests", len(self._streams))
             self._fail_all(EngineError(f"the engine step failed: {type(e).__name__}: {e}"))
+            if getattr(e, "fatal", False):  # e.g. a dead tensor-parallel worker: /health -> 503
+                self.dead = e
             return
         self.num_steps += 1
         if self.metrics is not None:

@@ -184,3 +184,31 @@ def test_load_64_streams_some_cancelled(server: ServerThread) -> None:
     assert m["pagedllm:kv_cache_usage_perc"] == 0
     assert m["pagedllm:time_to_first_token_seconds_count"] >= 64
     assert time.monotonic() - t0 < 30
+
+
+def test_fatal_engine_failure_turns_health_to_503(chat_model: Any) -> None:
+    """A failure the engine cannot recover from (e.g. a dead tensor-parallel worker, whose
+    exception carries ``fatal = True``) fails in-flight requests and marks the server unhealthy."""
+    from pagedllm.engine import LLMEngine
+    from pagedllm.server.api import ServerLimits, build_app
+
+    class WorkerGone(RuntimeError):
+        fatal = True
+
+    engine = LLMEngine.from_args(model=str(chat_model), block_size=4, num_kv_blocks=64, max_model_len=128)
+    app = build_app(engine, model_name="tiny", api_key=API_KEY, limits=ServerLimits())
+    with ServerThread(app) as server:
+        assert httpx.get(server.base_url + "/health").status_code == 200
+
+        def break_for_good(engine: Any) -> None:
+            def boom() -> Any:
+                raise WorkerGone("worker rank 1 exited")
+
+            engine.step = boom
+
+        server.call(break_for_good)
+        r = _post(server, "/v1/completions", {"prompt": "t5 t6", "max_tokens": 5})
+        assert r.status_code == 500 and "worker rank 1 exited" in r.json()["error"]["message"]
+        assert httpx.get(server.base_url + "/health").status_code == 503
+        again = _post(server, "/v1/completions", {"prompt": "t5 t6", "max_tokens": 5})
+        assert again.status_code >= 500
