@@ -90,9 +90,10 @@ def beam_search(engine: LLMEngine, prompts: list[list[int]], beam_width: int,
     finally:
         for rid in list(owner):
             sched.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-    tok = engine.tokenizer
+    tokenizer = engine.tokenizer
     return [BeamSearchOutput(g.prompt, [
-        BeamSequence(r.output_token_ids, s, tok.decode(r.output_token_ids)) for r, s in g.done or []
+        BeamSequence(r.output_token_ids, s, str(tokenizer.decode(r.output_token_ids)))
+        for r, s in g.done or []
     ]) for g in groups]
 
 

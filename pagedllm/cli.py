@@ -31,6 +31,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--initial-num-kv-blocks", type=int, default=None, help="start the pool smaller and grow it (elastic pool)")
     m.add_argument("--compact-every-n-steps", type=int, default=None, help="defragment every N steps")
     m.add_argument("--compact-below-utilization", type=float, default=None, help="defragment when utilization stays below this")
+    m.add_argument("--kv-trace", dest="kv_trace_path", default=None, help="write the KV allocation event trace (JSONL, replayable) to this file")
     m.add_argument("--preheat-prompts", default=None, help="file of prompts (one per line, text or a JSON list of ids) to cache at start-up")
     g.add_argument("--attention-backend", default=None, help="torch_ref | cpu (default: by device)")
     kv_help = "auto (model dtype) | int8 | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2"
@@ -64,6 +65,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         compact_every_n_steps=a.compact_every_n_steps,
         compact_below_utilization=a.compact_below_utilization,
         preheat_prompts=a.preheat_prompts,
+        kv_trace_path=a.kv_trace_path,
         attention_backend=a.attention_backend,
         seed=a.seed,
         kv_cache_dtype=a.kv_cache_dtype,
@@ -86,7 +88,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         min_p=a.min_p,
         seed=a.sampling_seed,
         max_tokens=a.max_tokens,
-        stop=a.stop or None,
+        stop=a.stop or [],
         ignore_eos=a.ignore_eos,
     )
     engine = LLMEngine.from_args(**_engine_kwargs(a))

@@ -223,6 +223,8 @@ class CacheConfig:
     # "fp8_e4m3" | "fp8_e5m2" (see KV_CACHE_DTYPES).
     k_cache_dtype: str = "auto"
     v_cache_dtype: str = "auto"
+    # Allocation event trace (pagedllm.kv.trace): a JSONL file written while the engine runs.
+    kv_trace_path: str | None = None
 
     def __post_init__(self) -> None:
         for flag in ("k_cache_dtype", "v_cache_dtype"):

@@ -114,6 +114,10 @@ class LLMEngine:
         self.kv = KVCacheManager(start, p.block_size, config.cache.enable_prefix_caching,
                                  num_host_blocks=config.cache.swap_space // p.bytes_per_block)
         self.kv.set_max_num_blocks(p.num_blocks)  # an elastic pool grows up to the budget
+        if config.cache.kv_trace_path is not None:
+            from pagedllm.kv.trace import KVTracer, attach
+
+            attach(self.kv, KVTracer(config.cache.kv_trace_path))
         self.scheduler = scheduler_cls(config.scheduler, self.kv)
         self.scheduler.cost_model = preemption_cost(config, p.bytes_per_block)
         self.runner = make_executor(config, start)  # a ModelRunner; with TP, rank 0 of the group
@@ -225,6 +229,8 @@ class LLMEngine:
 
     # -- the hot loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.kv.tracer is not None:
+            self.kv.tracer.step += 1
         self.memory.before_step()  # elastic pool growth
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
@@ -277,9 +283,12 @@ class LLMEngine:
             return
         pos: PositionLogprobs = {}
         for rank, (tid, lp) in enumerate(tok.topk, start=1):
-            pos[tid] = Logprob(lp, rank, self.tokenizer.decode([tid]))
-        pos[tok.token_id] = Logprob(tok.logprob, tok.rank, self.tokenizer.decode([tok.token_id]))
+            pos[tid] = Logprob(lp, rank, self._token_text(tid))
+        pos[tok.token_id] = Logprob(tok.logprob, tok.rank, self._token_text(tok.token_id))
         req.logprobs.append(pos)
+
+    def _token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
 
     def _record_prompt_logprobs(self, req: Request, chunk: PromptLogprobsChunk) -> None:
         assert req.prompt_logprobs is not None
@@ -288,10 +297,10 @@ class LLMEngine:
         for j, (lp, rank) in enumerate(zip(chunk.chosen, chunk.ranks)):
             tid = req.prompt_token_ids[chunk.start + j]
             pos: PositionLogprobs = {
-                t: Logprob(v, r, self.tokenizer.decode([t]))
+                t: Logprob(v, r, self._token_text(t))
                 for r, (t, v) in enumerate(chunk.topk[j], start=1)
             }
-            pos[tid] = Logprob(lp, rank, self.tokenizer.decode([tid]))
+            pos[tid] = Logprob(lp, rank, self._token_text(tid))
             req.prompt_logprobs.append(pos)
 
     def _make_output(self, group: _Group, now: float) -> RequestOutput:
@@ -332,6 +341,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (nothing to do in one process). Garbage collection and
         interpreter exit do it too; the engine is unusable afterwards."""
+        if self.kv.tracer is not None:
+            self.kv.tracer.close()
         self.runner.shutdown()
 
     def check_integrity(self) -> None:
@@ -430,6 +441,7 @@ def build_engine_config(
     kv_cache_dtype: str = "auto",
     k_cache_dtype: str | None = None,
     v_cache_dtype: str | None = None,
+    kv_trace_path: str | None = None,
 ) -> EngineConfig:
     """``kv_cache_dtype`` sets K and V storage; ``k_cache_dtype`` / ``v_cache_dtype`` override
     one of them (e.g. kv_cache_dtype="auto", v_cache_dtype="int8")."""
@@ -466,6 +478,7 @@ def build_engine_config(
                 kv_cache_dtype if v_cache_dtype is None else v_cache_dtype,
                 "kv_cache_dtype" if v_cache_dtype is None else "v_cache_dtype",
             ),
+            kv_trace_path=kv_trace_path,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -567,7 +580,7 @@ class LLM:
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    items = list(prompts)
+    items: list[Any] = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [items]  # a single list of token ids
     return items

@@ -1,4 +1,4 @@
-"""``pagedllm bench throughput | memory | block-size | kernel | serve | random-model``.
+"""``pagedllm bench throughput | prefix | memory | block-size | kernel | serve | random-model``.
 
 Registered by ``pagedllm.cli``; everything heavy is imported inside the command functions.
 """
@@ -105,6 +105,32 @@ def register(subparsers: Any, add_engine_args: AddEngineArgs, engine_kwargs: Eng
         return 0
 
     p.set_defaults(func=cmd_throughput)
+
+    # -- prefix caching: TTFT on a shared-system-prompt workload ---------------------------------
+    p = sub.add_parser("prefix", help="time to first token with prefix caching on vs off on a "
+                       "shared-system-prompt (chat) workload, interleaved")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per setting (TTFT pooled, "
+                   "fastest for throughput)")
+    p.add_argument("--warmup", type=int, default=4, help="requests in each engine's warm-up run")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrivals, requests/s (default inf: all at t0)")
+    _workload_args(p, 32)
+    p.set_defaults(workload="chat")
+    _common(p)
+    add_engine_args(p)
+
+    def cmd_prefix(a: argparse.Namespace) -> int:
+        from pagedllm.bench.prefix import report_prefix, run_prefix
+        from pagedllm.bench.workload import build_workload
+
+        _setup(a)
+        kw = engine_kwargs(a)
+        spec, reqs, _ = build_workload(kw, _spec_kwargs(a, a.seed))
+        res = run_prefix(reqs, spec, kw, a.reps, a.request_rate, a.warmup, a.seed)
+        _show(report_prefix(res, a.output_dir, a.output_json, a.plot))
+        return 0
+
+    p.set_defaults(func=cmd_prefix)
 
     # -- memory -------------------------------------------------------------------------------
     p = sub.add_parser("memory", help="paged vs contiguous at the same KV budget: concurrency and "

@@ -19,7 +19,7 @@ The pool knows nothing about requests; ``KVCacheManager`` owns the per-request t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 
@@ -34,6 +34,11 @@ class BlockHash(NamedTuple):
     parent: int | None  # value of the previous block's hash; None for the first block
     token_ids: tuple[int, ...]
     extra_keys: tuple | None
+
+
+def hash_hex(value: int) -> str:
+    """A ``BlockHash.value`` as 32 hex digits (how the KV trace writes it)."""
+    return f"{value:032x}"
 
 
 class KVBlock:
@@ -137,6 +142,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}  # BlockHash.value -> the block that holds it
+        self.on_evict: Callable[[KVBlock], None] | None = None  # the KV trace's hook
 
     @property
     def num_free_blocks(self) -> int:
@@ -197,6 +203,8 @@ class BlockPool:
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
+            if self.on_evict is not None:
+                self.on_evict(block)
             del self.cached[block.block_hash.value]
             block.block_hash = None
 

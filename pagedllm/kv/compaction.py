@@ -14,7 +14,12 @@ cached block is evicted.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pagedllm.kv.block_pool import BlockHash, BlockPool, KVBlock
+
+if TYPE_CHECKING:
+    from pagedllm.kv.trace import KVTracer
 
 
 class CompactionMixin:
@@ -26,6 +31,7 @@ class CompactionMixin:
     _hashes: dict[str, list[BlockHash]]
     _copies: list[tuple[int, int]]
     _max_blocks: int
+    tracer: KVTracer | None
 
     @property
     def max_num_blocks(self) -> int:
@@ -66,7 +72,10 @@ class CompactionMixin:
             for table in self._tables.values():
                 for i, b in enumerate(table):
                     table[i] = remap.get(b.block_id, b)
-        return [(s, d.block_id) for s, d in remap.items()]
+        moves = [(s, d.block_id) for s, d in remap.items()]
+        if self.tracer is not None:
+            self.tracer.emit("compact", moves=[list(m) for m in moves])
+        return moves
 
     def grow(self, n: int) -> None:
         """Add ``n`` fresh blocks (ids num_blocks .. num_blocks + n - 1)."""
@@ -77,12 +86,16 @@ class CompactionMixin:
             pool.free_queue.appendleft(b)
         pool.num_blocks += n
         self.num_blocks = pool.num_blocks
+        if self.tracer is not None:
+            self.tracer.emit("grow", n=n)
 
     def shrink(self, n: int) -> bool:
         """Drop blocks ``n`` .. end if all are free (call ``compact`` first); False otherwise."""
         pool = self.pool
         tail = pool.blocks[n:]
         if n < 1 or any(b.ref_cnt > 0 for b in tail):
+            if self.tracer is not None:
+                self.tracer.emit("shrink", n=n, ok=False)
             return False
         for b in tail:
             pool.free_queue.remove(b)
@@ -90,4 +103,6 @@ class CompactionMixin:
         del pool.blocks[n:]
         pool.num_blocks = n
         self.num_blocks = n
+        if self.tracer is not None:
+            self.tracer.emit("shrink", n=n, ok=True)
         return True

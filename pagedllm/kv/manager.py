@@ -26,12 +26,15 @@ import hashlib
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from pagedllm.kv.block_pool import BlockHash, BlockPool, KVBlock
+from pagedllm.kv.block_pool import BlockHash, BlockPool, KVBlock, hash_hex
 from pagedllm.kv.compaction import CompactionMixin
 from pagedllm.kv.sharing import SharingMixin
 from pagedllm.kv.swap import SwapMixin
+
+if TYPE_CHECKING:
+    from pagedllm.kv.trace import KVTracer
 
 
 def hash_block_tokens(parent: int | None, token_ids: tuple[int, ...],
@@ -99,6 +102,7 @@ class KVCacheManager(SharingMixin, SwapMixin, CompactionMixin):
         self._pins: list[str] = []  # pseudo-requests holding pinned (preheated) prefix blocks
         self._init_swap(num_host_blocks)
         self._max_blocks = num_blocks
+        self.tracer: KVTracer | None = None  # allocation event trace (pagedllm.kv.trace.attach)
 
     @property
     def num_free_blocks(self) -> int:
@@ -175,16 +179,26 @@ class KVCacheManager(SharingMixin, SwapMixin, CompactionMixin):
                 raise ValueError(f"request {request_id!r} already has blocks; a prefix hit "
                                  "can only seed a new request's table")
             hit, hit_hashes = self._validate_prefix(prefix, num_total_tokens)
+        tracer = self.tracer
         if self.num_blocks_needed(request_id, num_total_tokens, prefix) > self.pool.num_free_blocks:
+            if tracer is not None:
+                tracer.emit("allocate", rid=request_id, num_tokens=num_total_tokens,
+                            prefix=[b.block_id for b in hit], ok=False, new=[])
             return False
         if table is None:
+            if tracer is not None and hit:
+                tracer.emit("prefix_hit", rid=request_id, blocks=[b.block_id for b in hit],
+                            hashes=[hash_hex(h.value) for h in hit_hashes])
             self.pool.touch(hit)  # before get_new_blocks, so our own prefix is not evicted
             table = self._tables[request_id] = list(hit)
             self._hashes[request_id] = hit_hashes
         self._copy_on_write(request_id, table)
         n_new = -(-num_total_tokens // self.block_size) - len(table)
-        if n_new > 0:
-            table.extend(self.pool.get_new_blocks(n_new))
+        new = self.pool.get_new_blocks(n_new) if n_new > 0 else []
+        table.extend(new)
+        if tracer is not None:
+            tracer.emit("allocate", rid=request_id, num_tokens=num_total_tokens,
+                        prefix=[b.block_id for b in hit], ok=True, new=[b.block_id for b in new])
         return True
 
     def _validate_prefix(self, prefix: PrefixHit,
@@ -223,15 +237,26 @@ class KVCacheManager(SharingMixin, SwapMixin, CompactionMixin):
         hashes = self._hashes[request_id]
         bs = self.block_size
         num_full = min(num_computed_tokens, len(token_ids), len(table) * bs) // bs
-        for i in range(len(hashes), num_full):
+        start = len(hashes)
+        for i in range(start, num_full):
             h = make_block_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs],
                                 extra_keys)
             self.pool.cache_block(table[i], h)
             hashes.append(h)
+        if self.tracer is not None and num_full > start:
+            self.tracer.emit("cache", rid=request_id, start=start,
+                             tokens=list(token_ids[start * bs:num_full * bs]),
+                             blocks=[b.block_id for b in table[start:num_full]],
+                             hashes=[hash_hex(h.value) for h in hashes[start:]],
+                             **({} if extra_keys is None else {"extra_keys": list(extra_keys)}))
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first: among its cached blocks the deepest
         is evicted first. Unknown ids are a no-op."""
+        if self.tracer is not None and (request_id in self._tables or self.is_swapped(request_id)):
+            self.tracer.emit("free", rid=request_id,
+                             blocks=[b.block_id for b in self._tables.get(request_id, ())],
+                             swapped=self.is_swapped(request_id))
         self._drop_swapped(request_id)
         table = self._tables.pop(request_id, None)
         self._hashes.pop(request_id, None)
@@ -244,9 +269,10 @@ class KVCacheManager(SharingMixin, SwapMixin, CompactionMixin):
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; refused (False) while any request holds blocks."""
-        if any(self._tables.values()):
-            return False
-        return self.pool.reset_prefix_cache()
+        ok = not any(self._tables.values()) and self.pool.reset_prefix_cache()
+        if self.tracer is not None:
+            self.tracer.emit("reset_prefix_cache", ok=ok)
+        return ok
 
     def check_integrity(self) -> None:
         """Pool invariants, plus: each block's ref_cnt equals the number of tables holding it,

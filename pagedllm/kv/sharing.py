@@ -23,6 +23,7 @@ from pagedllm.kv.block_pool import BlockHash, BlockPool, KVBlock
 
 if TYPE_CHECKING:
     from pagedllm.kv.manager import PrefixHit
+    from pagedllm.kv.trace import KVTracer
 
 PIN_PREFIX = "__pinned__/"
 
@@ -37,6 +38,7 @@ class SharingMixin:
     _cow: dict[str, int]
     _copies: list[tuple[int, int]]
     _pins: list[str]
+    tracer: KVTracer | None
 
     if TYPE_CHECKING:  # provided by KVCacheManager
         def find_prefix(self, token_ids: Sequence[int], extra_keys: tuple | None = None,
@@ -58,6 +60,9 @@ class SharingMixin:
             (new,) = self.pool.get_new_blocks(1)
             self.pool.free_blocks([table[idx]])  # still held by the other sharers
             self._copies.append((table[idx].block_id, new.block_id))
+            if self.tracer is not None:
+                self.tracer.emit("cow_copy", rid=request_id, src=table[idx].block_id,
+                                 dst=new.block_id)
             table[idx] = new
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
@@ -79,11 +84,16 @@ class SharingMixin:
         self._hashes[child_id] = self._hashes[parent_id][:num_tokens // self.block_size]
         if num_tokens % self.block_size:
             self._cow[child_id] = self._cow[parent_id] = n_blocks - 1
+        if self.tracer is not None:
+            self.tracer.emit("fork", parent=parent_id, child=child_id, num_tokens=num_tokens,
+                             blocks=[b.block_id for b in shared])
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) copies made by ``allocate_slots`` since the last call; the runner must
         apply them (in one batch) before writing into the dst blocks."""
         copies, self._copies = self._copies, []
+        if self.tracer is not None and copies:
+            self.tracer.emit("take_copies", copies=[list(c) for c in copies])
         return copies
 
     # -- pinned prefixes (warm-up) ---------------------------------------------------------------

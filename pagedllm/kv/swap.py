@@ -20,6 +20,8 @@ from pagedllm.kv.block_pool import BlockHash, BlockPool, KVBlock
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    from pagedllm.kv.trace import KVTracer
+
 
 @dataclass(frozen=True)
 class PreemptionCost:
@@ -51,6 +53,7 @@ class SwapMixin:
     _host_free: list[int]
     _swapped: dict[str, list[int]]  # request id -> host block ids, in table order
     swap_stats: dict[str, int]
+    tracer: KVTracer | None
 
     def _init_swap(self, num_host_blocks: int) -> None:
         self.num_host_blocks = num_host_blocks
@@ -75,6 +78,8 @@ class SwapMixin:
         if table is None:
             raise KeyError(f"no blocks allocated for request {request_id!r}")
         if len(table) > len(self._host_free):
+            if self.tracer is not None:
+                self.tracer.emit("swap_out", rid=request_id, pairs=None)
             return None
         # a copy-on-write copy into one of these blocks has not run yet: read its source instead
         pending = {dst: src for src, dst in self._copies}
@@ -87,6 +92,8 @@ class SwapMixin:
         self._swapped[request_id] = host
         self.pool.free_blocks(reversed(table))
         self.swap_stats["out"] += len(table)
+        if self.tracer is not None:
+            self.tracer.emit("swap_out", rid=request_id, pairs=[list(p) for p in pairs])
         return pairs
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
@@ -94,6 +101,8 @@ class SwapMixin:
         if the device pool lacks free blocks."""
         host = self._swapped[request_id]
         if len(host) > self.pool.num_free_blocks:
+            if self.tracer is not None:
+                self.tracer.emit("swap_in", rid=request_id, pairs=None)
             return None
         del self._swapped[request_id]
         blocks = self.pool.get_new_blocks(len(host))
@@ -103,7 +112,10 @@ class SwapMixin:
                 self.pool.cache_block(b, h)
         self._host_free.extend(reversed(host))
         self.swap_stats["in"] += len(host)
-        return [(h, b.block_id) for h, b in zip(host, blocks)]
+        pairs = [(h, b.block_id) for h, b in zip(host, blocks)]
+        if self.tracer is not None:
+            self.tracer.emit("swap_in", rid=request_id, pairs=[list(p) for p in pairs])
+        return pairs
 
     def _drop_swapped(self, request_id: str) -> None:
         host = self._swapped.pop(request_id, None)

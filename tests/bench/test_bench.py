@@ -241,3 +241,27 @@ def test_bench_serve_without_a_server_says_what_to_do(model: Path, capsys: pytes
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", str(model),
                  "--num-prompts", "1", "--max-model-len", str(MML), "--no-plot"]) == 2
     assert "start `pagedllm serve` first" in capsys.readouterr().err
+
+
+def test_bench_prefix_cli(model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "prefix.json"
+    res = _run(["bench", "prefix", "--model", str(model), "--reps", "2", "--warmup", "1",
+                "--num-prompts", "8", "--system-len", "16", "--user-len", "4", "--turns", "2",
+                "--output-len", "4", "--max-model-len", str(MML), "--block-size", "4",
+                "--max-num-seqs", "8", "--max-num-batched-tokens", "24", "--no-plot", "--output-dir", str(tmp_path),
+                "--output-json", str(out)], out)
+    assert res["benchmark"] == "prefix" and res["workload"]["kind"] == "chat"
+    on, off = res["results"]
+    assert (on["prefix_caching"], off["prefix_caching"]) == ("on", "off")
+    for r in (on, off):
+        for k in ("ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "computed_prompt_tokens",
+                  "prompt_tokens", "prefix_cache_hit_rate", "requests_per_s",
+                  "output_tokens_per_s"):
+            assert k in r
+        assert r["ttft_mean_ms"] > 0 and r["requests_per_s"] > 0
+        assert r["prompt_tokens"] == res["workload"]["prompt_tokens"]
+    assert off["computed_prompt_tokens"] == off["prompt_tokens"]  # nothing cached: all computed
+    assert on["computed_prompt_tokens"] < off["computed_prompt_tokens"]
+    assert on["prefix_cache_hit_rate"] > 0 == off["prefix_cache_hit_rate"]
+    assert res["greedy_output_agreement"] == 1.0
+    assert set(res["ratios"]) >= {"ttft_mean_off/on", "computed_prompt_tokens_on/off"}
