@@ -112,6 +112,32 @@ def test_decode_groups_split() -> None:
     run_both(reqs, 4, 8, 2, 64, torch.float32, 5, cpu=cpu)
 
 
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_equal_lengths(block_size: int, dtype: torch.dtype) -> None:
+    """Equal decode lengths take the mask-free path: the gathered view is cut at max_len, so
+    the random (stale) tail of each last block must not be read."""
+    for reqs in ([(21, 1)] * 5, [(31, 1)] * 3, [(0, 1)] * 4):
+        run_both(reqs, block_size, 8, 2, 64, dtype, None)
+
+
+def test_decode_workspace_reused() -> None:
+    """One backend across batches of growing and shrinking size (the decode gather workspace is
+    reused and regrown), and with the workspace switched off (fresh gathers)."""
+    cpu = CpuBackend()
+    for reqs in ([(5, 1)] * 3, [(40, 1), (9, 1)] * 4, [(2, 1), (17, 1)], [(70, 1)] * 6):
+        run_both(reqs, 16, 8, 2, 64, torch.float32, None, cpu=cpu)
+    cpu.workspace_bytes = 0
+    run_both([(40, 1), (9, 1)] * 4, 16, 8, 2, 64, torch.float32, None, cpu=cpu)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_decode_window_skips_blocks(window: int) -> None:
+    """Sliding-window decode starts at the first block any request of the group still sees."""
+    reqs = [(c, 1) for c in (60, 44, 63, 50, 61)]
+    run_both(reqs, 4, 8, 2, 64, torch.float32, window)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     reqs=st.lists(
