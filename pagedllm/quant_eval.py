@@ -117,7 +117,7 @@ def evaluate(
     from pagedllm.engine import build_engine_config, plan_kv_pool
 
     configs = configs or CONFIGS
-    kw: dict[str, Any] = dict(model=model, max_model_len=window_len + greedy_tokens + 8,
+    kw: dict[str, Any] = dict(model=model, max_model_len=max(window_len, greedy_prompt_len) + greedy_tokens + 8,
                               attention_backend=attention_backend, enable_prefix_caching=False,
                               dtype=dtype)
     probe = LLM(**kw)
@@ -182,8 +182,7 @@ def markdown(rows: list[Row], budget: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped model)")
     ap.add_argument("--text", default=None, help="evaluate on this text file instead of the held-out split")
     ap.add_argument("--windows", type=int, default=8, help="teacher-forced windows")
@@ -194,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--dtype", default="auto", help="model dtype (K/V 'auto' storage follows it)")
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
-    a = ap.parse_args(argv)
+
+
+def run(a: argparse.Namespace) -> int:
     rows = evaluate(a.model, a.text, a.windows, a.window_len, a.greedy, greedy_tokens=a.greedy_tokens,
                     budget=a.budget, attention_backend=a.attention_backend, dtype=a.dtype)
     print(markdown(rows, a.budget))
@@ -202,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
     return 0
 
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pagedllm.quant_eval`` (the same as ``pagedllm bench kv-quant``)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(ap)
+    return run(ap.parse_args(argv))
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -277,6 +277,21 @@ def register(subparsers: Any, add_engine_args: AddEngineArgs, engine_kwargs: Eng
     add_args(p)
     p.set_defaults(func=cmd_random_model)
 
+    # -- KV quantization accuracy / capacity (flags: `pagedllm bench kv-quant --help`) -------------
+    p = sub.add_parser("kv-quant",
+                       help="quantized KV (int8 / fp8, K and V separately) vs the unquantized cache: "
+                       "top-1 agreement, perplexity, greedy agreement, bytes/token, capacity")
+    from pagedllm.quant_eval import add_args as add_quant_args
+
+    add_quant_args(p)
+
+    def cmd_kv_quant(a: argparse.Namespace) -> int:
+        from pagedllm.quant_eval import run
+
+        return run(a)
+
+    p.set_defaults(func=cmd_kv_quant)
+
 
 def _model_heads(model: str | None) -> tuple[int, int, int]:
     """(q heads, kv heads, head_dim) of ``model``; (8, 2, 64) when no checkpoint is there."""

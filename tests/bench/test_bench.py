@@ -265,3 +265,17 @@ def test_bench_prefix_cli(model: Path, tmp_path: Path) -> None:
     assert on["prefix_cache_hit_rate"] > 0 == off["prefix_cache_hit_rate"]
     assert res["greedy_output_agreement"] == 1.0
     assert set(res["ratios"]) >= {"ttft_mean_off/on", "computed_prompt_tokens_on/off"}
+
+
+def test_bench_kv_quant_cli(model: Path, tmp_path: Path) -> None:
+    """The KV-quantization eval runs end to end and its numbers are consistent."""
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"t{4 + (i * 7) % 300}" for i in range(400)))
+    out = tmp_path / "q.json"
+    assert main(["bench", "kv-quant", "--model", str(model), "--text", str(text), "--windows", "2",
+                 "--window-len", "32", "--greedy", "2", "--greedy-tokens", "4", "--json", str(out)]) == 0
+    rows = {r["label"]: r for r in json.loads(out.read_text())}
+    assert set(rows) >= {"auto", "int8", "K auto + V int8", "fp8_e4m3"}
+    ref, q = rows["auto"], rows["int8"]
+    assert ref["top1_agreement"] == 1.0 and 0.0 < q["top1_agreement"] <= 1.0
+    assert q["kv_bytes_per_token"] < ref["kv_bytes_per_token"] and q["tokens_in_budget"] > ref["tokens_in_budget"]
