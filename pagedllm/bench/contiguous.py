@@ -65,16 +65,9 @@ class ContiguousScheduler(Scheduler):
         self.kv.free(request_id)
         return req
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
     @property
     def num_waiting(self) -> int:
         return len(self.queue)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
