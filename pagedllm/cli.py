@@ -28,6 +28,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
     m.add_argument("--reserved-fraction", type=float, default=0.1, help="share of blocks only the urgent class may take")
     m.add_argument("--urgent-priority", type=int, default=0, help="priority <= this is the urgent class")
+    m.add_argument("--contiguous-urgent", action="store_true", help="give the urgent class runs of consecutive KV block ids where possible")
     m.add_argument("--initial-num-kv-blocks", type=int, default=None, help="start the pool smaller and grow it (elastic pool)")
     m.add_argument("--compact-every-n-steps", type=int, default=None, help="defragment every N steps")
     m.add_argument("--compact-below-utilization", type=float, default=None, help="defragment when utilization stays below this")
@@ -61,6 +62,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         preemption_mode=a.preemption_mode,
         reserved_fraction=a.reserved_fraction,
         urgent_priority=a.urgent_priority,
+        contiguous_urgent=a.contiguous_urgent,
         initial_num_kv_blocks=a.initial_num_kv_blocks,
         compact_every_n_steps=a.compact_every_n_steps,
         compact_below_utilization=a.compact_below_utilization,

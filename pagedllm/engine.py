@@ -112,7 +112,8 @@ class LLMEngine:
         )
         start = min(config.cache.initial_num_kv_blocks or p.num_blocks, p.num_blocks)
         self.kv = KVCacheManager(start, p.block_size, config.cache.enable_prefix_caching,
-                                 num_host_blocks=config.cache.swap_space // p.bytes_per_block)
+                                 num_host_blocks=config.cache.swap_space // p.bytes_per_block,
+                                 contiguous_urgent=config.cache.contiguous_urgent)
         self.kv.set_max_num_blocks(p.num_blocks)  # an elastic pool grows up to the budget
         if config.cache.kv_trace_path is not None:
             from pagedllm.kv.trace import KVTracer, attach
@@ -442,6 +443,7 @@ def build_engine_config(
     k_cache_dtype: str | None = None,
     v_cache_dtype: str | None = None,
     kv_trace_path: str | None = None,
+    contiguous_urgent: bool = False,
 ) -> EngineConfig:
     """``kv_cache_dtype`` sets K and V storage; ``k_cache_dtype`` / ``v_cache_dtype`` override
     one of them (e.g. kv_cache_dtype="auto", v_cache_dtype="int8")."""
@@ -479,6 +481,7 @@ def build_engine_config(
                 "kv_cache_dtype" if v_cache_dtype is None else "v_cache_dtype",
             ),
             kv_trace_path=kv_trace_path,
+            contiguous_urgent=contiguous_urgent,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,

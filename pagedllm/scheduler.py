@@ -151,7 +151,7 @@ class Scheduler(PreemptionMixin):
             need = self.kv.num_blocks_needed(req.request_id, total, prefix)
             if need > self.kv.num_free_blocks - self.reserved_blocks:
                 return False
-        return self.kv.allocate_slots(req.request_id, total, prefix)
+        return self.kv.allocate_slots(req.request_id, total, prefix, urgent=self.is_urgent(req))
 
     def _wanted(self, req: Request) -> int:
         """Tokens ``req`` would compute now: all that are left, except that a parent with pending

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import shutil
 import sys
@@ -275,7 +274,7 @@ def main(argv=None):
           f"heads {args.heads}/{args.kv_heads} kv, ffn {args.intermediate}, params={n_params:,}", flush=True)
 
     decay, no_decay = [], []
-    for n, p in model.named_parameters():
+    for p in model.parameters():  # same order as named_parameters()
         (decay if p.dim() >= 2 else no_decay).append(p)
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],

@@ -87,12 +87,15 @@ class KVCacheManager(SharingMixin, SwapMixin, CompactionMixin):
     """
 
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True, num_host_blocks: int = 0) -> None:
+                 enable_prefix_caching: bool = True, num_host_blocks: int = 0, *,
+                 contiguous_urgent: bool = False) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # urgent allocations take consecutive block ids where possible (BlockPool._take_contiguous)
+        self.contiguous_urgent = contiguous_urgent
         self.pool = BlockPool(num_blocks)
         self.stats = PrefixCacheStats()
         self._tables: dict[str, list[KVBlock]] = {}
@@ -168,9 +171,11 @@ class KVCacheManager(SharingMixin, SwapMixin, CompactionMixin):
         return max(0, -(-num_total_tokens // self.block_size) - have) + revive + cow
 
     def allocate_slots(self, request_id: str, num_total_tokens: int,
-                       prefix: PrefixHit | None = None) -> bool:
+                       prefix: PrefixHit | None = None, *, urgent: bool = False) -> bool:
         """Make ``request_id``'s table cover ``num_total_tokens`` slots; False (and no change at
-        all) if the pool lacks free blocks. ``prefix`` is only accepted on the first call."""
+        all) if the pool lacks free blocks. ``prefix`` is only accepted on the first call.
+        ``urgent`` (the scheduler's urgent class) with ``contiguous_urgent`` on extends the table
+        with consecutive block ids where the pool allows; the number of blocks taken is the same."""
         table = self._tables.get(request_id)
         hit: list[KVBlock] = []
         hit_hashes: list[BlockHash] = []
@@ -194,11 +199,15 @@ class KVCacheManager(SharingMixin, SwapMixin, CompactionMixin):
             self._hashes[request_id] = hit_hashes
         self._copy_on_write(request_id, table)
         n_new = -(-num_total_tokens // self.block_size) - len(table)
-        new = self.pool.get_new_blocks(n_new) if n_new > 0 else []
+        contiguous = urgent and self.contiguous_urgent
+        new = (self.pool.get_new_blocks(n_new, contiguous=contiguous,
+                                        after=table[-1] if table else None)
+               if n_new > 0 else [])
         table.extend(new)
         if tracer is not None:
             tracer.emit("allocate", rid=request_id, num_tokens=num_total_tokens,
-                        prefix=[b.block_id for b in hit], ok=True, new=[b.block_id for b in new])
+                        prefix=[b.block_id for b in hit], ok=True, new=[b.block_id for b in new],
+                        **({"urgent": True} if contiguous else {}))
         return True
 
     def _validate_prefix(self, prefix: PrefixHit,

@@ -73,7 +73,8 @@ def attach(kv: KVCacheManager, tracer: KVTracer) -> None:
         raise ValueError("attach a KV trace to a fresh manager (no requests, nothing cached)")
     tracer.emit("init", num_blocks=kv.num_blocks, block_size=kv.block_size,
                 enable_prefix_caching=kv.enable_prefix_caching,
-                num_host_blocks=kv.num_host_blocks)
+                num_host_blocks=kv.num_host_blocks,
+                **({"contiguous_urgent": True} if kv.contiguous_urgent else {}))
     kv.tracer = tracer
     kv.pool.on_evict = tracer.on_evict
 
@@ -103,7 +104,8 @@ def replay(trace: str | Path | Iterable[dict[str, Any]]) -> KVCacheManager:
         raise TraceMismatch("line 1: a trace starts with an 'init' event")
     init = events[0]
     kv = KVCacheManager(init["num_blocks"], init["block_size"], init["enable_prefix_caching"],
-                        num_host_blocks=init["num_host_blocks"])
+                        num_host_blocks=init["num_host_blocks"],
+                        contiguous_urgent=init.get("contiguous_urgent", False))
     mine = KVTracer()
     attach(kv, mine)
     mine.events.clear()
@@ -142,7 +144,7 @@ def _execute(kv: KVCacheManager, ev: dict[str, Any]) -> None:
     if op == "allocate":
         prefix = ev["prefix"]
         hit = PrefixHit(prefix, len(prefix) * kv.block_size) if prefix else None
-        kv.allocate_slots(ev["rid"], ev["num_tokens"], hit)
+        kv.allocate_slots(ev["rid"], ev["num_tokens"], hit, urgent=ev.get("urgent", False))
     elif op == "cache":
         # blocks before ``start`` are hashed already (the chain is on the request): pad them
         bs = kv.block_size
