@@ -27,7 +27,10 @@ from pagedllm.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 
 class ContiguousScheduler(Scheduler):
-    """FCFS static batching with a full ``max_model_len`` reservation per request."""
+    """FCFS static batching with a full ``max_model_len`` reservation per request.
+
+    ``update()`` is inherited: with no forks (n=1 only) it is exactly the per-step bookkeeping
+    this policy needs, so both policies pay the same cost outside ``schedule()``."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         super().__init__(config, kv)
@@ -92,23 +95,3 @@ class ContiguousScheduler(Scheduler):
             out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
             budget -= n
         return out
-
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        finished: list[Request] = []
-        for s in out.scheduled:
-            req = s.request
-            if req.is_finished:
-                continue
-            req.num_computed_tokens += s.num_new_tokens
-            token = sampled.get(req.request_id)
-            if token is not None:
-                req.append_token(token)
-            # Same per-step bookkeeping cost as the paged scheduler (the hashes are never used
-            # for hits here: this policy does not look prefixes up).
-            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
-            if token is not None:
-                status = req.check_stop()
-                if status is not None:
-                    self.finish_request(req.request_id, status)
-                    finished.append(req)
-        return finished
