@@ -267,36 +267,16 @@ def _children_of(pid: int) -> list[int]:
 
 @pytest.mark.slow  # ~15 s
 def test_serve_tp2_matches_tp1(tiny_models: dict[str, Path]) -> None:
-    import socket
-
     import httpx
+    from serve_process import serve_process
 
     model = str(tiny_models["llama"])
     prompt = " ".join(f"t{i}" for i in range(20, 44))
     ref = LLM(model=model, **ENGINE).generate(
         prompt, SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, ignore_eos=True), use_tqdm=False
     )[0].outputs[0]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDLLM_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.cli", "serve", model, "--port", str(port), "--tensor-parallel-size", "2",
-         "--block-size", "4", "--num-kv-blocks", "96", "--max-model-len", "96", "--log-level", "warning"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "pagedllm serve did not come up"
-            time.sleep(0.2)
+    with serve_process(model, "--tensor-parallel-size", "2", "--block-size", "4", "--num-kv-blocks", "96",
+                       "--max-model-len", "96", "--log-level", "warning") as (proc, base):
         workers = [p for p in _children_of(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert len(workers) == 1
         body = {"model": model, "prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 2,
@@ -308,10 +288,6 @@ def test_serve_tp2_matches_tp1(tiny_models: dict[str, Path]) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         _wait_gone(workers, 10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 # -- Ray ------------------------------------------------------------------------------------------
@@ -334,10 +310,6 @@ def test_ray_backend_tp2_matches_tp1(tiny_models: dict[str, Path]) -> None:
 
 @pytest.mark.slow
 def test_default_model_tp2_matches_tp1() -> None:
-    from pagedllm.config import default_model_path
-
-    if not (Path(default_model_path()) / "config.json").is_file():
-        pytest.skip("the shipped default model is not in this tree yet")
     prompts = ["def fibonacci(n):", "import os\n", "class Stack:\n    def"]
     sp = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
     outs = {tp: LLM(tensor_parallel_size=tp, max_model_len=256, dtype="float32").generate(prompts, sp, use_tqdm=False)

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
+from serve_process import serve_process
 
 from pagedllm.cli import build_parser
 from pagedllm.server.cli import apply_config_file
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _serve_parser():  # type: ignore[no-untyped-def]
@@ -45,34 +39,11 @@ def test_config_file_fills_defaults_and_cli_wins(tmp_path: Path) -> None:
         apply_config_file(parser.parse_args(["serve", "--config", str(cfg)]), serve)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_serve_subprocess_end_to_end(chat_model: Path, tmp_path: Path) -> None:
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("block-size: 4\nnum_kv_blocks: 128\nmax-model-len: 64\nserved-model-name: tiny-cli\n")
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDLLM_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.cli", "serve", str(chat_model), "--port", str(port),
-         "--config", str(cfg), "--api-key", "sk-cli", "--log-level", "warning"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "pagedllm serve did not come up"
-            time.sleep(0.2)
+    with serve_process(str(chat_model), "--config", str(cfg), "--api-key", "sk-cli",
+                       "--log-level", "warning") as (proc, base):
         client = OpenAI(base_url=base + "/v1", api_key="sk-cli", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny-cli"]
         r = client.completions.create(model="tiny-cli", prompt="t5 t6", max_tokens=4, temperature=0,
@@ -89,7 +60,3 @@ def test_serve_subprocess_end_to_end(chat_model: Path, tmp_path: Path) -> None:
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
