@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from transformers import PreTrainedTokenizerBase
+
 from pagedllm.config import (
     CacheConfig,
     EngineConfig,
@@ -27,7 +29,7 @@ from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.request import Logprob, PositionLogprobs, Request, RequestStatus
 from pagedllm.runner.model_runner import PromptLogprobsChunk, SampledToken
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler
+from pagedllm.scheduler import ScheduledRequest, Scheduler
 from pagedllm.tokenizer import IncrementalDetokenizer, eos_token_ids, get_tokenizer
 
 logger = init_logger(__name__)
@@ -176,7 +178,7 @@ class LLMEngine:
             )
             detoks.append(
                 IncrementalDetokenizer(
-                    self.tokenizer, ids, params.stop, params.include_stop_str_in_output,  # type: ignore[arg-type]
+                    self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
                     params.skip_special_tokens,
                 )
             )
@@ -240,7 +242,12 @@ class LLMEngine:
         self.memory.after_step()  # compaction triggers, shrink when idle
         return outputs
 
-    def _process(self, scheduled, sampled: dict[str, SampledToken], prompt_lps: dict[str, PromptLogprobsChunk]) -> list[RequestOutput]:  # type: ignore[no-untyped-def]
+    def _process(
+        self,
+        scheduled: list[ScheduledRequest],
+        sampled: dict[str, SampledToken],
+        prompt_lps: dict[str, PromptLogprobsChunk],
+    ) -> list[RequestOutput]:
         touched: dict[str, _Group] = {}
         now = time.monotonic()
         for s in scheduled:
@@ -520,7 +527,7 @@ class LLM:
     def kv_stats(self) -> dict[str, Any]:
         return self.engine.kv_stats()
 
-    def get_tokenizer(self):  # type: ignore[no-untyped-def]
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
     def generate(
