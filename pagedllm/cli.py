@@ -34,7 +34,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--compact-below-utilization", type=float, default=None, help="defragment when utilization stays below this")
     m.add_argument("--kv-trace", dest="kv_trace_path", default=None, help="write the KV allocation event trace (JSONL, replayable) to this file")
     m.add_argument("--preheat-prompts", default=None, help="file of prompts (one per line, text or a JSON list of ids) to cache at start-up")
-    g.add_argument("--attention-backend", default=None, help="torch_ref | cpu (default: by device)")
+    g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default: cpu)")
+    g.add_argument("--attention-backend", default=None,
+                   help="torch_ref | cpu | triton (default: cpu on CPU, triton on CUDA)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: fraction of GPU memory for weights + activations + KV pool, "
+                        "when --kv-cache-memory / --num-kv-blocks are not given (default 0.9)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: no CUDA graphs; every step runs eagerly")
     kv_help = "auto (model dtype) | int8 | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2"
     g.add_argument("--kv-cache-dtype", default="auto", help=f"KV cache storage: {kv_help}")
     g.add_argument("--k-cache-dtype", default=None, help="override --kv-cache-dtype for K")
@@ -69,6 +76,9 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         preheat_prompts=a.preheat_prompts,
         kv_trace_path=a.kv_trace_path,
         attention_backend=a.attention_backend,
+        device=a.device,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        enforce_eager=a.enforce_eager,
         seed=a.seed,
         kv_cache_dtype=a.kv_cache_dtype,
         k_cache_dtype=a.k_cache_dtype,

@@ -328,5 +328,24 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     attention_backend: str | None = None  # None -> chosen by device
+    # CUDA only: the KV pool takes this fraction of the GPU's total memory, minus what the
+    # weights and a profiled peak of activations use (when neither kv_cache_memory nor
+    # num_kv_blocks is given); see runner/memory.py.
+    gpu_memory_utilization: float = 0.9
+    # CUDA only: run every step eagerly instead of replaying CUDA graphs for decode batches.
+    enforce_eager: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        dev = self.device
+        if not (dev == "cpu" or dev == "cuda" or re.fullmatch(r"cuda:\d+", dev)):
+            raise ValueError(f"device={dev!r} must be 'cpu', 'cuda' or 'cuda:N'")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")

@@ -435,6 +435,8 @@ def build_engine_config(
     seed: int = 0,
     device: str = "cpu",
     attention_backend: str | None = None,
+    gpu_memory_utilization: float = 0.9,
+    enforce_eager: bool = False,
     tensor_parallel_size: int = 1,
     distributed_executor_backend: str | None = None,
     swap_space: float = 0,
@@ -503,6 +505,8 @@ def build_engine_config(
         seed=seed,
         device=device,
         attention_backend=attention_backend,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enforce_eager=enforce_eager,
         parallel=ParallelConfig(tensor_parallel_size, distributed_executor_backend or "mp"),
     )
 
