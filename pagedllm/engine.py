@@ -64,13 +64,16 @@ class KVPoolPlan:
         return self.num_blocks * self.bytes_per_block
 
 
-def plan_kv_pool(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig) -> KVPoolPlan:
+def plan_kv_pool(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig,
+                 measured_budget: int | None = None) -> KVPoolPlan:
+    """Blocks from ``num_kv_blocks``, else ``kv_cache_memory``, else ``measured_budget`` (bytes a
+    GPU profile left for KV, runner/memory.py), else the default cap."""
     per_block = cache.kv_bytes_per_token(model) * cache.block_size
     blocks_per_req = -(-sched.max_model_len // cache.block_size)
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
     else:
-        budget = cache.kv_cache_memory
+        budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else measured_budget
         if budget is None:
             budget = min(DEFAULT_KV_CAP, sched.max_num_seqs * blocks_per_req * per_block)
             budget = max(budget, blocks_per_req * per_block)
@@ -81,6 +84,7 @@ def plan_kv_pool(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig)
             f"max_model_len={sched.max_model_len} needs {blocks_per_req} blocks of "
             f"{cache.block_size} tokens ({need / 2**20:.1f} MiB) but the KV pool has {num_blocks}; "
             f"lower --max-model-len or raise --kv-cache-memory / --num-kv-blocks"
+            + (" / --gpu-memory-utilization" if measured_budget is not None else "")
         )
     return KVPoolPlan(num_blocks, cache.block_size, per_block, sched.max_model_len)
 
@@ -103,7 +107,27 @@ class LLMEngine:
         self.config = config
         self.tokenizer = get_tokenizer(config.tokenizer)
         self.eos_token_ids = eos_token_ids(self.tokenizer, config.model.eos_token_ids)
-        self.kv_plan = plan_kv_pool(config.model, config.cache, config.scheduler)
+        cache = config.cache
+        # On CUDA without an explicit size, the pool is what a memory profile leaves: the model
+        # loads (and profiles) before the plan; otherwise the plan comes first.
+        profiled = config.is_cuda and cache.num_kv_blocks is None and cache.kv_cache_memory is None
+        measured: int | None = None
+        if profiled:
+            from pagedllm.runner.memory import kv_budget
+
+            runner = make_executor(config, None)
+            prof = runner.memory_profile
+            assert prof is not None
+            measured = kv_budget(prof, config.gpu_memory_utilization)
+            logger.info(
+                "GPU memory: %.2f GiB free at start; weights %.2f GiB, activation peak %.2f GiB, "
+                "non-torch %.2f GiB, CUDA graphs %.2f GiB -> KV budget %.2f GiB "
+                "(gpu_memory_utilization=%.2f)",
+                prof.free_at_start / 2**30, prof.weights / 2**30, prof.activation_peak / 2**30,
+                prof.non_torch / 2**30, prof.graph_pool / 2**30, measured / 2**30,
+                config.gpu_memory_utilization,
+            )
+        self.kv_plan = plan_kv_pool(config.model, cache, config.scheduler, measured)
         p = self.kv_plan
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s, %d bytes/token); fits %d "
@@ -123,7 +147,11 @@ class LLMEngine:
             attach(self.kv, KVTracer(config.cache.kv_trace_path))
         self.scheduler = scheduler_cls(config.scheduler, self.kv)
         self.scheduler.cost_model = preemption_cost(config, p.bytes_per_block)
-        self.runner = make_executor(config, start)  # a ModelRunner; with TP, rank 0 of the group
+        if profiled:
+            runner.init_kv_cache(start)
+            self.runner = runner
+        else:
+            self.runner = make_executor(config, start)  # a ModelRunner; with TP, rank 0 of the group
         self.memory = KVMemoryController(self)
         self.groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, tuple[_Group, int]] = {}

@@ -66,6 +66,10 @@ class AttentionBackend(ABC):
 
     name: str = "base"
     supports_quantized_kv: bool = False
+    # May be captured in a CUDA graph (runner/cuda_graph.py): in a decode-only step
+    # (max_query_len == 1) it reads no host data (neither host list) and sizes its grid from
+    # ``max_seq_len`` alone, which a graph fixes at max_model_len.
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def forward(

@@ -29,10 +29,13 @@ class UniProcExecutor(Executor):
     """The single-process executor: exactly the ModelRunner."""
 
 
-def make_executor(config: EngineConfig, num_blocks: int) -> Executor:
+def make_executor(config: EngineConfig, num_blocks: int | None) -> Executor:
+    """``num_blocks`` None: profile memory first, then ``init_kv_cache`` (CUDA, one rank)."""
     par = config.parallel
     if par.tensor_parallel_size == 1:
         return UniProcExecutor(config, num_blocks)
+    if num_blocks is None:
+        raise ValueError("tensor-parallel engines are sized from kv_cache_memory or num_kv_blocks")
     if par.distributed_executor_backend == "ray":
         from pagedllm.executor.ray_executor import RayExecutor
 

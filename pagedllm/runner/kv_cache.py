@@ -80,6 +80,7 @@ class KVCache:
         if any(self._quant):
             self._specs.append((sum(self._quant), row[:1], SCALE_DTYPE))
         self.planes = self._alloc(num_blocks, self.device)
+        self.generation = 0  # bumped when the storage is reallocated (captured graphs go stale)
         self.layers: list[tuple[KVCacheTensor, KVCacheTensor]] = []
         self._make_views()
         self.host: list[torch.Tensor] | None = None
@@ -158,6 +159,7 @@ class KVCache:
         for new_plane, old_plane in zip(new, old, strict=True):
             new_plane[:, :, :keep] = old_plane[:, :, :keep]
         self.planes = new
+        self.generation += 1
         self._make_views()
 
     @property

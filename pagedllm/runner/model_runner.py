@@ -1,15 +1,13 @@
 """SchedulerOutput -> flat batch tensors -> model -> sampled tokens.
 
-Flat batch of one step (B requests, T new tokens in all)::
+The flat batch layout is drawn in runner/batch.py. Everything here is batched over tokens with
+tensor ops; Python loops run over requests only. On CUDA a step makes one host->device copy of
+its batch (pinned, non-blocking), replays a captured graph for decode-only batches
+(runner/cuda_graph.py), and synchronises once, when the sampled tokens come back.
 
-    request        r0            r1   r2
-    input_ids   [ a a a a a  |  b  |  c c ]      T = 8
-    positions   [ 3 4 5 6 7  |  9  |  0 1 ]      start_i + (0..q_len_i-1)
-    q_start     [ 0,          5,    6,    8 ]    [B+1]
-    seq_lens    [ 8,          10,   2 ]          start_i + q_len_i
-    slot        block_tables[req, pos // bs] * bs + pos % bs
-
-Everything here is batched over tokens with tensor ops; Python loops run over requests only.
+Start-up: the model loads first; with a KV pool to be sized from ``gpu_memory_utilization`` the
+runner profiles the worst-case step (runner/memory.py) before the engine calls
+``init_kv_cache(num_blocks)``.
 """
 
 from __future__ import annotations
@@ -23,9 +21,15 @@ from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import TPGroup, local_kv_model
 from pagedllm.layers.sampler import SamplingMetadata, sample
+from pagedllm.logging_utils import init_logger
 from pagedllm.models.loader import load_model
+from pagedllm.runner.batch import HostBatch, Uploader, build_host_batch, fetch
+from pagedllm.runner.cuda_graph import DecodeGraphs, capture_sizes
 from pagedllm.runner.kv_cache import KVCache, kv_bytes_per_block
+from pagedllm.runner.memory import MemoryProfile, MemoryProfiler
 from pagedllm.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = init_logger(__name__)
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily
 
@@ -55,13 +59,27 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, num_blocks: int, tp: TPGroup | None = None) -> None:
-        """``tp``: this rank's tensor-parallel group; the model and KV cache hold its heads only."""
+    def __init__(self, config: EngineConfig, num_blocks: int | None,
+                 tp: TPGroup | None = None) -> None:
+        """``num_blocks``: KV pool size; None on CUDA: profile memory first (``memory_profile``)
+        and wait for ``init_kv_cache``. ``tp``: this rank's tensor-parallel group; the model and
+        KV cache hold its heads only."""
         self.config = config
+        self.tp_group = tp
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"device={config.device!r} but torch {torch.__version__} sees no CUDA GPU "
+                f"(torch.cuda.is_available() is False); install a CUDA build of torch on a GPU "
+                f"machine, or use --device cpu"
+            )
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
         self.backend = get_backend(config.attention_backend, config.device)
+        self.uploader = Uploader(self.device)
+        profiler = MemoryProfiler(self.device) if num_blocks is None else None
+        if profiler is not None:
+            profiler.start()
         self.model = load_model(config.model, self.backend, config.device, tp)
         cache = config.cache
         if cache.kv_quantized and not self.backend.supports_quantized_kv:
@@ -70,64 +88,124 @@ class ModelRunner:
                 f"(k_cache_dtype={cache.k_cache_dtype!r}, v_cache_dtype={cache.v_cache_dtype!r}); "
                 f"use --kv-cache-dtype auto or a backend that does: torch_ref, cpu, triton"
             )
-        host = cache.swap_space // kv_bytes_per_block(config.model, cache)
-        self.kv_cache = KVCache(local_kv_model(config.model, tp), num_blocks, self.block_size, config.device, host,
-                                cache.k_cache_dtype, cache.v_cache_dtype)
         self.generators: dict[str, torch.Generator] = {}
         torch.manual_seed(config.seed)
+        self.graphs: DecodeGraphs | None = None
+        self.memory_profile: MemoryProfile | None = None
+        if profiler is not None:
+            profiler.weights_loaded()
+            self.memory_profile = self._profile_memory(profiler)
+        else:
+            assert num_blocks is not None
+            self.init_kv_cache(num_blocks)
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs: on CUDA, without enforce_eager, one rank, and with a
+        backend that keeps its decode path free of host data (``supports_cuda_graphs``)."""
+        return (self.device.type == "cuda" and not self.config.enforce_eager and self.tp_group is None
+                and self.backend.supports_cuda_graphs)
+
+    def _new_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> KVCache:
+        c = self.config.cache
+        return KVCache(local_kv_model(self.config.model, self.tp_group), num_blocks, self.block_size,
+                       self.config.device, num_host_blocks, c.k_cache_dtype, c.v_cache_dtype)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV pool (and host tier); capture the decode CUDA graphs over it."""
+        cache = self.config.cache
+        host = cache.swap_space // kv_bytes_per_block(self.config.model, cache)
+        self.kv_cache = self._new_kv_cache(num_blocks, host)
+        if self.device.type == "cuda" and not self.use_cuda_graphs and not self.config.enforce_eager:
+            logger.info("CUDA graphs off: attention backend %r does not support them%s",
+                        self.backend.name, " (tensor parallel)" if self.tp_group is not None else "")
+        if self.use_cuda_graphs:
+            self.enable_decode_graphs()
+
+    def enable_decode_graphs(self, capture: bool = True) -> DecodeGraphs:
+        """Serve decode-only steps from static buffers, recorded as CUDA graphs (``capture``),
+        or replayed eagerly (``capture=False``: the same padded path, testable on CPU)."""
+        sc = self.config.scheduler
+        self.graphs = DecodeGraphs(self._forward, self.kv_cache, sc.max_num_seqs,
+                                   sc.max_model_len, self.block_size, self.device, capture)
+        self.graphs.capture_all()
+        return self.graphs
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv.layers, meta)
+
+    # -- memory profiling ---------------------------------------------------------------------
+    def profile_run(self, num_tokens: int, num_reqs: int) -> None:
+        """One worst-case step against a throw-away KV cache: ``num_tokens`` new tokens over
+        ``num_reqs`` requests starting at position 0, logits for every request, and sampling with
+        top-k, top-p, min-p, penalties and 20 logprobs. Touches no engine state."""
+        num_reqs = max(1, min(num_reqs, num_tokens))
+        per, extra = divmod(num_tokens, num_reqs)
+        q_lens = [per + (i < extra) for i in range(num_reqs)]
+        tables: list[list[int]] = []
+        nxt = 0
+        for q in q_lens:
+            n = -(-q // self.block_size)
+            tables.append(list(range(nxt, nxt + n)))
+            nxt += n
+        kv = self._new_kv_cache(nxt)
+        hb = build_host_batch([[0] * q for q in q_lens], [0] * num_reqs, tables, self.block_size)
+        with torch.inference_mode():
+            ids, pos, meta = self.uploader.metadata(hb)
+            hidden = self.model(ids, pos, kv.layers, meta)
+            logits = self.model.compute_logits(hidden[self.uploader.upload([hb.q_start[1:] - 1])[0]])
+            b, dev = num_reqs, self.device
+            md = SamplingMetadata(
+                temperature=torch.ones(b, device=dev), all_greedy=False,
+                top_k=torch.full((b,), 50, dtype=torch.long, device=dev),
+                top_p=torch.full((b,), 0.9, device=dev), min_p=torch.full((b,), 0.05, device=dev),
+                presence_penalty=torch.ones(b, device=dev),
+                frequency_penalty=torch.ones(b, device=dev),
+                repetition_penalty=torch.ones(b, device=dev),
+                output_counts=torch.zeros(b, self.vocab_size, device=dev),
+                prompt_mask=torch.zeros(b, self.vocab_size, dtype=torch.bool, device=dev),
+                max_num_logprobs=20,
+            )
+            fetch([sample(logits, md).token_ids])
+        del kv
+
+    def _profile_memory(self, profiler: MemoryProfiler) -> MemoryProfile:
+        sc = self.config.scheduler
+        profiler.step()
+        self.profile_run(sc.max_num_batched_tokens, sc.max_num_seqs)
+        profiler.step_done("prefill")
+        if self.use_cuda_graphs:  # the graphs' pool holds the largest decode batch's activations
+            g = capture_sizes(sc.max_num_seqs)[-1]
+            profiler.step()
+            self.profile_run(g, g)
+            profiler.step_done("decode")
+        torch.cuda.empty_cache()
+        return profiler.profile()
 
     # -- batch preparation --------------------------------------------------------------------
-    def prepare(self, sched: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        q_lens = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=len(sched))
-        starts = np.fromiter((s.start for s in sched), dtype=np.int64, count=len(sched))
-        seq_lens = starts + q_lens
-        q_start = np.zeros(len(sched) + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=q_start[1:])
-        num_tokens = int(q_start[-1])
+    def host_batch(self, sched: list[ScheduledRequest]) -> HostBatch:
+        """The step's flat batch on the host: block tables -> positions and slot mapping."""
+        return build_host_batch([s.request.token_ids[s.start : s.end] for s in sched],
+                                [s.start for s in sched], [s.block_table for s in sched],
+                                self.block_size)
 
-        ids: list[int] = []
-        for s in sched:
-            ids.extend(s.request.token_ids[s.start : s.end])
-        # positions = arange(T) - (q_start_i - start_i) for the request owning each row
-        req_idx = np.repeat(np.arange(len(sched)), q_lens)
-        positions = np.arange(num_tokens) - (q_start[:-1] - starts)[req_idx]
-
-        max_blocks = max(len(s.block_table) for s in sched)
-        tables = np.zeros((len(sched), max_blocks), dtype=np.int32)
-        for i, s in enumerate(sched):
-            tables[i, : len(s.block_table)] = s.block_table
-        slots = tables[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
-
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(q_start.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=q_start.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        return input_ids, torch.from_numpy(positions).to(dev), meta
 
     def _sampling_metadata(self, sched: list[ScheduledRequest]) -> SamplingMetadata:
-        dev = self.device
+        dev, up = self.device, self.uploader
         params = [s.request.params for s in sched]
         temps = [0.0 if p.temperature < _GREEDY_EPS else p.temperature for p in params]
         md = SamplingMetadata(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
+            temperature=up.tensor(temps, torch.float32),
             all_greedy=all(t == 0.0 for t in temps),
         )
         if not md.all_greedy:
             if any(p.top_k > 0 for p in params):
-                md.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
+                md.top_k = up.tensor([p.top_k for p in params], torch.long)
             if any(p.top_p < 1.0 for p in params):
-                md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+                md.top_p = up.tensor([p.top_p for p in params], torch.float32)
             if any(p.min_p > 0.0 for p in params):
-                md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+                md.min_p = up.tensor([p.min_p for p in params], torch.float32)
             for row, s in enumerate(sched):
                 seed = s.request.params.seed
                 if seed is not None and temps[row] > 0.0:
@@ -149,17 +227,16 @@ class ModelRunner:
         return md
 
     def _add_penalties(self, md: SamplingMetadata, sched: list[ScheduledRequest]) -> None:
-        dev, vocab, b = self.device, self.vocab_size, len(sched)
+        up, vocab = self.uploader, self.vocab_size
         params = [s.request.params for s in sched]
-        out_ids = [s.request.output_token_ids for s in sched]
-        md.output_counts = _counts(out_ids, b, vocab, dev)
+        md.output_counts = _counts([s.request.output_token_ids for s in sched], vocab, up)
         if any(p.repetition_penalty != 1.0 for p in params):
-            md.prompt_mask = _counts([s.request.prompt_token_ids for s in sched], b, vocab, dev) > 0
-            md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)
+            md.prompt_mask = _counts([s.request.prompt_token_ids for s in sched], vocab, up) > 0
+            md.repetition_penalty = up.tensor([p.repetition_penalty for p in params], torch.float32)
         if any(p.presence_penalty != 0.0 for p in params):
-            md.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)
+            md.presence_penalty = up.tensor([p.presence_penalty for p in params], torch.float32)
         if any(p.frequency_penalty != 0.0 for p in params):
-            md.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=dev)
+            md.frequency_penalty = up.tensor([p.frequency_penalty for p in params], torch.float32)
 
     # -- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -172,21 +249,26 @@ class ModelRunner:
         self.kv_cache.swap_in(out.swap_in)
         if not sched:
             return result
-        input_ids, positions, meta = self.prepare(sched)
-        hidden = self.run_model(input_ids, positions, meta)  # [T, hidden]
+        hb = self.host_batch(sched)
+        if self.graphs is not None and self.graphs.can_run(hb):
+            hidden = self.graphs.run(hb)  # [B, hidden]: one row per decode request
+        else:
+            input_ids, positions, meta = self.uploader.metadata(hb)
+            hidden = self.run_model(input_ids, positions, meta)  # [T, hidden]
 
-        last_rows = [meta.query_start_loc_cpu[i + 1] - 1 for i in range(len(sched))]
+        q_start = hb.q_start.tolist()
         sampling = [i for i, s in enumerate(sched) if s.samples]
         if sampling:
-            rows = torch.tensor([last_rows[i] for i in sampling], device=self.device)
-            logits = self.model.compute_logits(hidden[rows])  # [S, V]
+            if len(sampling) == hidden.shape[0]:  # decode only, every row samples
+                last = hidden
+            else:
+                last = hidden[self.uploader.tensor([q_start[i + 1] - 1 for i in sampling], torch.long)]
+            logits = self.model.compute_logits(last)  # [S, V]
             sub = [sched[i] for i in sampling]
             so = sample(logits, self._sampling_metadata(sub))
-            ids = so.token_ids.tolist()
-            lps = so.logprobs.tolist() if so.logprobs is not None else None
-            ranks = so.ranks.tolist() if so.ranks is not None else None
-            tk_ids = so.topk_ids.tolist() if so.topk_ids is not None else None
-            tk_lps = so.topk_logprobs.tolist() if so.topk_logprobs is not None else None
+            fetched = fetch([so.token_ids, so.logprobs, so.ranks, so.topk_ids, so.topk_logprobs])
+            ids, lps, ranks, tk_ids, tk_lps = (None if t is None else t.tolist() for t in fetched)
+            assert ids is not None
             for j, s in enumerate(sub):
                 tok = SampledToken(ids[j])
                 k = s.request.params.logprobs
@@ -199,7 +281,7 @@ class ModelRunner:
         for i, s in enumerate(sched):
             if s.request.params.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1:
                 result.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(
-                    s, hidden, meta.query_start_loc_cpu[i]
+                    s, hidden, q_start[i]
                 )
         return result
 
@@ -215,7 +297,7 @@ class ModelRunner:
         n = end - s.start
         logits = self.model.compute_logits(hidden[row0 : row0 + n])  # [n, V]
         logprobs = logits.float().log_softmax(-1)
-        targets = torch.tensor(req.prompt_token_ids[s.start + 1 : end + 1], device=self.device)
+        targets = self.uploader.tensor(req.prompt_token_ids[s.start + 1 : end + 1], torch.long)
         chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
         ranks = (logprobs > chosen.unsqueeze(1)).sum(-1) + 1
         k = req.params.prompt_logprobs or 0
@@ -231,12 +313,13 @@ class ModelRunner:
             self.generators.pop(rid, None)
 
 
-def _counts(seqs: list[list[int]], b: int, vocab: int, dev: torch.device) -> torch.Tensor:
-    """[b, vocab] occurrence counts of each row's token ids, built with one scatter_add."""
-    counts = torch.zeros(b, vocab, dtype=torch.float32, device=dev)
+def _counts(seqs: list[list[int]], vocab: int, up: Uploader) -> torch.Tensor:
+    """[len(seqs), vocab] occurrence counts of each row's token ids, built with one scatter_add."""
+    b = len(seqs)
+    counts = torch.zeros(b, vocab, dtype=torch.float32, device=up.device)
     lens = [len(x) for x in seqs]
     if sum(lens):
-        flat = torch.tensor([t for x in seqs for t in x], dtype=torch.long, device=dev)
-        rows = torch.repeat_interleave(torch.arange(b, device=dev), torch.tensor(lens, device=dev))
+        flat, rows = up.upload([np.fromiter((t for x in seqs for t in x), dtype=np.int64),
+                                np.repeat(np.arange(b), lens)])
         counts.index_put_((rows, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
     return counts

@@ -251,6 +251,29 @@ def test_engine_greedy_matches_cpu(tiny_models: dict[str, Path]) -> None:
     assert outs["triton"] == outs["cpu"]
 
 
+@pytest.mark.slow
+def test_engine_decode_graph_path_matches_cpu(tiny_models: dict[str, Path]) -> None:
+    """Decode steps through the CUDA-graph static buffers (not recorded: no GPU here) with the
+    triton backend: grid sized from max_model_len (empty splits), padded rows, int32 casts."""
+    from pagedllm import LLM, SamplingParams
+
+    if not common.INTERPRET:
+        pytest.skip("the CPU engine path runs the triton backend only under TRITON_INTERPRET=1")
+    prompts = ["t5 t6 t7 t8 t9 t10 t11 t12 t13", "t9 t9", "t40 " * 30]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kw = dict(model=str(tiny_models["llama"]), block_size=16, num_kv_blocks=64, max_model_len=256,
+              max_num_seqs=4)
+    want = [r.outputs[0].token_ids for r in LLM(**kw).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(attention_backend="triton", **kw)
+    backend = llm.engine.runner.backend
+    assert isinstance(backend, TritonBackend)
+    backend.decode_min_split_len = 32  # 4 splits of 64 keys (one tile), most of them empty
+    graphs = llm.engine.runner.enable_decode_graphs(capture=False)
+    got = [r.outputs[0].token_ids for r in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+    assert graphs.replays > 0
+
+
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     import triton

@@ -44,6 +44,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     supports_quantized_kv = True
+    supports_cuda_graphs = True
     decode_target_programs: int = 256
     decode_min_split_len: int = 256
 
@@ -108,23 +109,42 @@ class TritonBackend(AttentionBackend):
 
     def _step_plan(self, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
         """The step's decode/prefill split, cached on the metadata object's identity (the model
-        runner builds a fresh AttentionMetadata per step and never mutates it)."""
+        runner builds a fresh AttentionMetadata per step and never mutates it).
+
+        A decode-only step (max_query_len == 1) is planned from device data and ``max_seq_len``
+        alone (no host lists, no copies), so it can be captured in a CUDA graph."""
         if meta is self._plan_meta and self._plan is not None:
             return self._plan
-        qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        decode: list[int] = []
-        prefill: list[int] = []
-        for i in range(meta.num_reqs):
-            n = qsl[i + 1] - qsl[i]
-            if n == 1:
-                decode.append(i)
-            elif n > 1:
-                prefill.append(i)
-        self._plan_meta = meta
-        self._plan = _StepPlan(
-            decode_reqs=torch.tensor(decode, dtype=torch.int32, device=device),
-            decode_max_seq_len=max((seq_lens[i] for i in decode), default=0),
-            prefill_reqs=torch.tensor(prefill, dtype=torch.int32, device=device),
-            prefill_max_query_len=max((qsl[i + 1] - qsl[i] for i in prefill), default=0),
-        )
-        return self._plan
+        if meta.max_query_len == 1:
+            plan = _StepPlan(
+                decode_reqs=torch.arange(meta.seq_lens.shape[0], dtype=torch.int32, device=device),
+                decode_max_seq_len=meta.max_seq_len,
+                prefill_reqs=torch.empty(0, dtype=torch.int32, device=device),
+                prefill_max_query_len=0,
+            )
+        else:
+            qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+            decode: list[int] = []
+            prefill: list[int] = []
+            for i in range(meta.num_reqs):
+                n = qsl[i + 1] - qsl[i]
+                if n == 1:
+                    decode.append(i)
+                elif n > 1:
+                    prefill.append(i)
+            plan = _StepPlan(
+                decode_reqs=_to_device(decode, device),
+                decode_max_seq_len=max((seq_lens[i] for i in decode), default=0),
+                prefill_reqs=_to_device(prefill, device),
+                prefill_max_query_len=max((qsl[i + 1] - qsl[i] for i in prefill), default=0),
+            )
+        self._plan_meta, self._plan = meta, plan
+        return plan
+
+
+def _to_device(ids: list[int], device: torch.device) -> torch.Tensor:
+    """int32 index tensor; on CUDA from pinned memory without waiting for the stream."""
+    t = torch.tensor(ids, dtype=torch.int32)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,151 @@
+"""A step's flat batch on the host (numpy), and moving host data to the device without syncs.
+
+Flat batch of one step (B requests, T new tokens in all)::
+
+    request        r0            r1   r2
+    input_ids   [ a a a a a  |  b  |  c c ]      T = 8
+    positions   [ 3 4 5 6 7  |  9  |  0 1 ]      start_i + (0..q_len_i-1)
+    q_start     [ 0,          5,    6,    8 ]    [B+1]
+    seq_lens    [ 8,          10,   2 ]          start_i + q_len_i
+    slot        block_tables[req, pos // bs] * bs + pos % bs
+
+Device transfers. On CUDA a ``torch.tensor(list, device="cuda")`` or a copy from pageable memory
+waits for the stream (a hidden sync per tensor). ``Uploader`` packs a step's integer arrays into
+one pinned int64 staging buffer and sends it with a single non-blocking copy; the device side
+slices it and casts the int32 parts. The staging buffer is reused: before refilling it the
+uploader waits on an event recorded after the previous copy (usually long done: most steps end
+by reading their sampled tokens back; a step that samples nothing, a middle prefill chunk, does
+not, and then the event is what keeps the copy in flight from reading overwritten data).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.attention import AttentionMetadata
+
+
+@dataclass
+class HostBatch:
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64
+    q_start: np.ndarray  # [B+1] int64
+    seq_lens: np.ndarray  # [B] int64
+    tables: np.ndarray  # [B, W] int64, right-padded with 0
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def max_query_len(self) -> int:
+        return int(np.diff(self.q_start).max())
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_tokens == self.num_reqs
+
+
+def build_host_batch(
+    token_ids: list[list[int]], starts: list[int], tables: list[list[int]], block_size: int
+) -> HostBatch:
+    """``token_ids[i]``: request i's new tokens, at positions ``starts[i]...``; ``tables[i]``: its
+    block table (covering every new position)."""
+    n = len(token_ids)
+    q_lens = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=n)
+    st = np.asarray(starts, dtype=np.int64)
+    q_start = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=q_start[1:])
+    num_tokens = int(q_start[-1])
+    ids = np.fromiter((t for x in token_ids for t in x), dtype=np.int64, count=num_tokens)
+    # positions = arange(T) - (q_start_i - start_i) for the request owning each row
+    req_idx = np.repeat(np.arange(n), q_lens)
+    positions = np.arange(num_tokens, dtype=np.int64) - (q_start[:-1] - st)[req_idx]
+    width = max(len(t) for t in tables)
+    tab = np.zeros((n, width), dtype=np.int64)
+    for i, t in enumerate(tables):
+        tab[i, : len(t)] = t
+    slots = tab[req_idx, positions // block_size] * block_size + positions % block_size
+    return HostBatch(ids, positions, slots, q_start, st + q_lens, tab)
+
+
+class Uploader:
+    """Host arrays -> device tensors: zero-copy views on CPU; one pinned, non-blocking copy per
+    call on CUDA (module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._staging = torch.empty(0, dtype=torch.int64)
+        self._copied: torch.cuda.Event | None = None  # recorded after the last staging copy
+
+    def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """int64 device tensors of the arrays' shapes (one copy on CUDA)."""
+        if not self.cuda:
+            return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._staging.numel() < total:
+            self._staging = torch.empty(max(total, 2 * self._staging.numel()), dtype=torch.int64,
+                                        pin_memory=True)
+        host = self._staging.numpy()
+        off = 0
+        for a, n in zip(arrays, sizes):
+            host[off : off + n] = a.reshape(-1)
+            off += n
+        flat = self._staging[:total].to(self.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return list(t.view(a.shape) for t, a in zip(flat.split(sizes), arrays))
+
+    def tensor(self, data: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
+        """A small tensor of per-request values (sampling parameters) on the device."""
+        t = torch.tensor(data, dtype=dtype)
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def metadata(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids [T], positions [T], AttentionMetadata) of a host batch."""
+        ids, pos, slots, qsl, seq, tab = self.upload(
+            [hb.input_ids, hb.positions, hb.slots, hb.q_start, hb.seq_lens, hb.tables]
+        )
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=qsl.to(torch.int32),
+            seq_lens=seq.to(torch.int32),
+            block_tables=tab.to(torch.int32),
+            max_query_len=hb.max_query_len,
+            max_seq_len=int(hb.seq_lens.max()),
+            query_start_loc_cpu=hb.q_start.tolist(),
+            seq_lens_cpu=hb.seq_lens.tolist(),
+        )
+        return ids, pos, meta
+
+
+def fetch(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Device tensors -> CPU tensors with one synchronisation for all of them (CUDA: copies into
+    pinned buffers, non-blocking, then one stream sync)."""
+    live = [t for t in tensors if t is not None]
+    if not live or live[0].device.type != "cuda":
+        return [None if t is None else t.cpu() for t in tensors]
+    out: list[torch.Tensor | None] = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        dst.copy_(t, non_blocking=True)
+        out.append(dst)
+    torch.cuda.current_stream(live[0].device).synchronize()
+    return out

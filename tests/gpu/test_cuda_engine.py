@@ -1,0 +1,120 @@
+"""The engine on a CUDA GPU: triton backend, CUDA graphs, KV pool from gpu_memory_utilization,
+pinned swap tier. Marked ``cuda``; every test skips without a GPU (run: ``pytest -m cuda``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+PROMPTS = ["t5 t6 t7 t8 t9 t10 t11 t12 t13", "t9 t9", "t40 " * 30, "t7", "t3 t4 t5",
+           "t100 t101", "t11 " * 17, "t8 " * 60]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+# a small, explicit share of the GPU: tiny models need little, and tests may share the GPU
+SMALL = dict(gpu_memory_utilization=0.05)
+
+
+def _tokens(llm: LLM, sp: SamplingParams = GREEDY) -> list[list[int]]:
+    return [list(r.outputs[0].token_ids) for r in llm.generate(PROMPTS, sp, use_tqdm=False)]
+
+
+def _hf_greedy(path: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    outs = []
+    for p in prompts:  # one at a time: no padding in the reference
+        ids = torch.tensor([tok(p)["input_ids"]], device="cuda")
+        with torch.inference_mode():
+            seq = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 do_sample=False)
+        outs.append(seq[0, ids.shape[1]:].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_greedy_matches_hf_on_the_gpu(tiny_models: dict[str, Path], arch: str) -> None:
+    llm = LLM(model=str(tiny_models[arch]), device="cuda", max_model_len=256, **SMALL)
+    runner = llm.engine.runner
+    assert runner.backend.name == "triton" and runner.graphs is not None
+    prompts = PROMPTS if arch != "qwen2" else [{"prompt_token_ids": [5, 6, 7, 8, 9]}]
+    sp = GREEDY
+    got = [list(r.outputs[0].token_ids) for r in llm.generate(prompts, sp, use_tqdm=False)]
+    if arch == "qwen2":  # AutoTokenizer maps model_type qwen2 to its own class: use ids
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(tiny_models[arch]).cuda().eval()
+        ids = torch.tensor([[5, 6, 7, 8, 9]], device="cuda")
+        seq = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        want = [seq[0, 5:].tolist()]
+    else:
+        want = _hf_greedy(tiny_models[arch], PROMPTS, 16)
+    assert got == want
+    assert runner.graphs.replays > 0
+
+
+def test_cuda_graphs_give_the_eager_tokens_and_logprobs(tiny_models: dict[str, Path]) -> None:
+    kw = dict(model=str(tiny_models["llama"]), device="cuda", max_model_len=256, **SMALL)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    eager = LLM(enforce_eager=True, **kw)
+    assert eager.engine.runner.graphs is None
+    graph = LLM(**kw)
+    a = eager.generate(PROMPTS, sp, use_tqdm=False)
+    b = graph.generate(PROMPTS, sp, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for pa, pb in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            for tok, lp in pa.items():
+                assert abs(lp.logprob - pb[tok].logprob) < 1e-4
+    assert graph.engine.runner.graphs.replays > 0
+
+
+def test_pool_is_sized_from_gpu_memory_utilization(tiny_models: dict[str, Path]) -> None:
+    from pagedllm.runner.memory import kv_budget
+
+    small = LLM(model=str(tiny_models["llama"]), device="cuda", gpu_memory_utilization=0.03)
+    big = LLM(model=str(tiny_models["llama"]), device="cuda", gpu_memory_utilization=0.06)
+    for llm, util in ((small, 0.03), (big, 0.06)):
+        p = llm.engine.runner.memory_profile
+        assert p is not None and p.weights > 0 and p.activation_peak > 0 and p.graph_pool > 0
+        plan = llm.engine.kv_plan
+        budget = kv_budget(p, util)
+        assert budget - plan.bytes_per_block < plan.nbytes <= budget
+        assert llm.engine.runner.kv_cache.nbytes == plan.nbytes
+    assert big.engine.kv_plan.num_blocks > small.engine.kv_plan.num_blocks
+    with pytest.raises(ValueError, match="no GPU memory left"):
+        LLM(model=str(tiny_models["llama"]), device="cuda", gpu_memory_utilization=1e-6)
+
+
+def test_swap_preemption_through_pinned_host_memory(tiny_models: dict[str, Path]) -> None:
+    kw = dict(model=str(tiny_models["llama"]), device="cuda", max_model_len=256, block_size=16)
+    want = _tokens(LLM(num_kv_blocks=256, **kw))
+    llm = LLM(num_kv_blocks=24, swap_space=0.01, preemption_mode="swap", **kw)
+    assert llm.engine.runner.kv_cache.host is not None
+    assert all(t.is_pinned() for t in llm.engine.runner.kv_cache.host)
+    assert _tokens(llm) == want
+    assert llm.engine.num_preemptions > 0
+    llm.engine.kv.pool.check_integrity()
+
+
+def test_seeded_sampling_is_reproducible_on_the_gpu(tiny_models: dict[str, Path]) -> None:
+    llm = LLM(model=str(tiny_models["llama"]), device="cuda", max_model_len=256, **SMALL)
+    sp = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=7, max_tokens=12)
+    assert _tokens(llm, sp) == _tokens(llm, sp)
+
+
+def test_int8_kv_cache_on_the_gpu(tiny_models: dict[str, Path]) -> None:
+    kw = dict(model=str(tiny_models["llama"]), device="cuda", max_model_len=256, **SMALL)
+    full = _tokens(LLM(**kw))
+    q = _tokens(LLM(kv_cache_dtype="int8", **kw))
+    same = sum(a == b for x, y in zip(full, q) for a, b in zip(x, y))
+    assert same >= 0.8 * sum(len(x) for x in full)
