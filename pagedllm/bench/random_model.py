@@ -1,12 +1,18 @@
 """Build a random-weight Llama checkpoint (HF format) for benchmarks at a realistic size.
 
-    pagedllm bench random-model /tmp/llama-100m              # ~96M parameters
+    pagedllm bench random-model /tmp/llama-100m              # ~96M parameters, fp32
+    pagedllm bench random-model /tmp/llama-1b --preset 1b    # ~0.99B parameters, bf16 (~2 GB)
     python -m pagedllm.bench.random_model /tmp/llama-100m
 
 Weights are random (seeded), so outputs are noise, but every cost that matters for serving
 (matmuls, KV bytes per token, attention over long contexts) is that of a real model of this
 shape. The tokenizer is copied from ``--tokenizer`` (default: the shipped model's), so prompts
 and vocabulary match the default model's.
+
+The model is built directly in its storage dtype (``--dtype``; the 1b preset defaults to
+bfloat16, so building it needs ~2 GB of RAM, not the 4 GB of fp32, and config.json says
+bfloat16, which ``--dtype auto`` then follows) and optionally on a GPU (``--device cuda``: the
+random init runs there, which is much faster than on a few CPU cores).
 """
 
 from __future__ import annotations
@@ -17,6 +23,10 @@ from pathlib import Path
 from typing import Any
 
 PRESETS: dict[str, dict[str, Any]] = {
+    # Llama-3.2-1B's body (hidden 2048, 16 layers, 32 q / 8 kv heads of 64, MLP 8192) with the
+    # 4096-token vocab: 16 x (attention 10.49M + MLP 50.33M) + 2 x 4096 x 2048 ~= 0.99B
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096),
     # 12 x (attention 1.57M + MLP 5.90M) + 2 x 4096 x 768 embeddings ~= 96M with a 4096 vocab
     "100m": dict(hidden_size=768, intermediate_size=2560, num_hidden_layers=12,
                  num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024),
@@ -24,13 +34,30 @@ PRESETS: dict[str, dict[str, Any]] = {
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
 }
 
+PRESET_DTYPES = {"1b": "bfloat16"}  # others: float32
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "tokenizer.model", "chat_template.jinja")
 
 
+def llama_param_count(vocab_size: int, hidden_size: int, intermediate_size: int,
+                      num_hidden_layers: int, num_attention_heads: int, num_key_value_heads: int,
+                      head_dim: int | None = None, tie_word_embeddings: bool = False,
+                      **_: Any) -> int:
+    """Parameters of a bias-free Llama: per layer q/k/v/o, gate/up/down and two RMSNorms; the
+    embedding, the final norm and (untied) the LM head."""
+    d = head_dim or hidden_size // num_attention_heads
+    attn = hidden_size * d * (2 * num_attention_heads + 2 * num_key_value_heads)
+    layer = attn + 3 * hidden_size * intermediate_size + 2 * hidden_size
+    embed = vocab_size * hidden_size * (1 if tie_word_embeddings else 2)
+    return num_hidden_layers * layer + embed + hidden_size
+
+
 def build_random_model(out: str | Path, preset: str = "100m", tokenizer: str | None = None,
-                       seed: int = 0, **overrides: Any) -> int:
-    """Write the checkpoint into ``out``; returns the parameter count."""
+                       seed: int = 0, dtype: str | None = None, device: str = "cpu",
+                       **overrides: Any) -> int:
+    """Write the checkpoint into ``out``; returns the parameter count. ``dtype`` None takes the
+    preset's (``PRESET_DTYPES``, else float32)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -39,6 +66,9 @@ def build_random_model(out: str | Path, preset: str = "100m", tokenizer: str | N
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    dtype = dtype or PRESET_DTYPES.get(preset, "float32")
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype {dtype!r}: choose float32, float16 or bfloat16")
     tok_dir = Path(tokenizer or default_model_path())
     tok = get_tokenizer(str(tok_dir))
     out = Path(out)
@@ -52,8 +82,14 @@ def build_random_model(out: str | Path, preset: str = "100m", tokenizer: str | N
         **{**PRESETS[preset], **overrides},
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(out)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))  # allocate and init in the storage dtype
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    model.to("cpu").save_pretrained(out)  # config.json records the parameters' dtype
     copied = False
     for name in _TOKENIZER_FILES:
         if (tok_dir / name).is_file():
@@ -69,13 +105,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="100m")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the shipped model)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="storage dtype (default: bfloat16 for 1b, float32 otherwise)")
+    p.add_argument("--device", default="cpu",
+                   help="where the random init runs (cuda is much faster for 1b); saved from CPU")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)
     a = p.parse_args(argv)
-    n = build_random_model(a.out, a.preset, a.tokenizer, a.seed)
+    n = build_random_model(a.out, a.preset, a.tokenizer, a.seed, a.dtype, a.device)
     print(f"wrote {a.out} ({n / 1e6:.1f}M parameters, random weights, preset {a.preset})")
     return 0
 
