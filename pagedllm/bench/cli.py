@@ -75,7 +75,10 @@ def register(subparsers: Any, add_engine_args: AddEngineArgs, engine_kwargs: Eng
 
     # -- throughput ---------------------------------------------------------------------------
     p = sub.add_parser("throughput", help="offline throughput: pagedllm vs HF transformers vs "
-                       "contiguous reservation (vs vLLM when installed), interleaved")
+                       "contiguous reservation (vs vLLM when installed), interleaved",
+                       description="All backends run on --device at the dtype the engine "
+                       "resolves from --dtype (auto = the checkpoint's); on a GPU pass "
+                       "--device cuda --dtype bfloat16.")
     p.add_argument("--backends", default=None,
                    help="comma-separated: pagedllm, hf, contiguous, vllm (default: the first "
                    "three, plus vllm when the vllm package is importable)")
@@ -183,33 +186,47 @@ def register(subparsers: Any, add_engine_args: AddEngineArgs, engine_kwargs: Eng
     p.set_defaults(func=cmd_block_size)
 
     # -- kernel -------------------------------------------------------------------------------
-    p = sub.add_parser("kernel", help="paged attention vs contiguous SDPA, decode and prefill")
+    p = sub.add_parser("kernel", help="paged attention vs contiguous SDPA, decode and prefill; "
+                       "on CUDA also decode bandwidth vs the GPU's peak and prefill TFLOP/s")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default: cpu)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="K/V/Q dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--model", default=None,
-                   help="take head shapes from this checkpoint (default: the shipped model)")
+                   help="take head shapes from this checkpoint (default: the shipped model on "
+                   "CPU; 32 q / 8 kv heads, head_dim 128 on CUDA)")
     p.add_argument("--num-heads", type=int, default=None)
     p.add_argument("--num-kv-heads", type=int, default=None)
     p.add_argument("--head-dim", type=int, default=None)
-    p.add_argument("--contexts", type=_ints, default=(128, 512, 2048))
-    p.add_argument("--block-sizes", type=_ints, default=(16, 64, 256))
-    p.add_argument("--batch", type=int, default=16, help="decode batch (prefill uses 1 request)")
+    p.add_argument("--contexts", type=_ints, default=None,
+                   help="default: 128,512,2048 on CPU; 1024,4096,16384,32768 on CUDA")
+    p.add_argument("--block-sizes", type=_ints, default=None, help="default: 16,64,256")
+    p.add_argument("--batch", type=int, default=None,
+                   help="decode batch (default: 16 on CPU, 32 on CUDA; prefill uses 1 request)")
     p.add_argument("--phases", default="decode,prefill")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--attention-backend", default="cpu")
+    p.add_argument("--attention-backend", "--backend", dest="attention_backend", default=None,
+                   help="torch_ref | cpu | triton (default: cpu on CPU, triton on CUDA; triton "
+                   "on CPU needs TRITON_INTERPRET=1 in the environment)")
+    p.add_argument("--no-copy-bandwidth", dest="copy_bandwidth", action="store_false",
+                   help="skip measuring the device copy bandwidth (the frac_copy reference)")
     p.add_argument("--seed", type=int, default=0)
     _common(p)
 
     def cmd_kernel(a: argparse.Namespace) -> int:
-        from pagedllm.bench.kernel import report_kernel, run_kernel
+        from pagedllm.bench.kernel import kernel_defaults, report_kernel, run_kernel
 
         _setup(a)
-        heads = _model_heads(a.model)
+        d = kernel_defaults(a.device)
+        heads = d["heads"] if d["heads"] and a.model is None else _model_heads(a.model)
         res = run_kernel(
-            contexts=tuple(a.contexts), block_sizes=tuple(a.block_sizes), batch=a.batch,
+            contexts=tuple(a.contexts or d["contexts"]),
+            block_sizes=tuple(a.block_sizes or d["block_sizes"]), batch=a.batch or d["batch"],
             phases=tuple(x.strip() for x in a.phases.split(",") if x.strip()),
             num_heads=a.num_heads or heads[0], num_kv_heads=a.num_kv_heads or heads[1],
             head_dim=a.head_dim or heads[2], rounds=a.rounds, iters=a.iters,
-            backend=a.attention_backend, seed=a.seed,
+            backend=a.attention_backend, seed=a.seed, device=a.device, dtype=a.dtype,
+            measure_copy=a.copy_bandwidth,
         )
         _show(report_kernel(res, a.output_dir, a.output_json, a.plot))
         return 0
@@ -263,12 +280,13 @@ def register(subparsers: Any, add_engine_args: AddEngineArgs, engine_kwargs: Eng
     p.set_defaults(func=cmd_serve)
 
     # -- a random-weight model of a realistic size ----------------------------------------------
-    p = sub.add_parser("random-model", help="write a random-weight Llama checkpoint (~100M params)")
+    p = sub.add_parser("random-model", help="write a random-weight Llama checkpoint "
+                       "(presets: 100m, 1b, tiny)")
 
     def cmd_random_model(a: argparse.Namespace) -> int:
         from pagedllm.bench.random_model import build_random_model
 
-        n = build_random_model(a.out, a.preset, a.tokenizer, a.seed)
+        n = build_random_model(a.out, a.preset, a.tokenizer, a.seed, a.dtype, a.device)
         print(f"wrote {a.out} ({n / 1e6:.1f}M parameters, random weights, preset {a.preset})")
         return 0
 
