@@ -3,6 +3,11 @@ transformers ``generate`` with static batches, and vLLM when it is installed.
 
 Each backend runs a whole workload offline (every request submitted at time 0, greedy,
 ``ignore_eos``) and returns a ``RunResult``; the caller times repetitions and interleaves them.
+
+Device: the engine backends take ``device`` from the engine kwargs (``--device``), and HF runs
+on that same device at the dtype the engine resolves (``ModelConfig.from_hf(model, dtype)``:
+``--dtype auto`` follows the checkpoint, so a float32 checkpoint runs in float32 on both; pass
+``--dtype bfloat16`` for GPU runs). On CUDA the clock is read after ``torch.cuda.synchronize``.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.bench.device import synchronize
 from pagedllm.bench.workload import BenchRequest
 
 BACKENDS = ("pagedllm", "hf", "contiguous", "vllm")
@@ -47,6 +53,7 @@ class EngineBackend:
         self.name = name
         self.policy = policy
         self.engine = LLMEngine.from_args(scheduler_cls=recording(base), **engine_kwargs)
+        self.device = str(engine_kwargs.get("device") or "cpu")
 
     def run(self, reqs: list[BenchRequest]) -> RunResult:
         from pagedllm.sampling_params import SamplingParams
@@ -59,6 +66,7 @@ class EngineBackend:
         preempted_before = eng.num_preemptions
         ids = [f"b{i}" for i in range(len(reqs))]
         outputs: dict[str, list[int]] = {}
+        synchronize(self.device)
         t0 = time.perf_counter()
         for rid, r in zip(ids, reqs):
             params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
@@ -67,6 +75,7 @@ class EngineBackend:
             for o in eng.step():
                 if o.finished:
                     outputs[o.request_id] = list(o.outputs[0].token_ids)
+        synchronize(self.device)
         elapsed = time.perf_counter() - t0
         outs = [outputs[i] for i in ids]
         n_out = sum(len(o) for o in outs)
@@ -79,9 +88,11 @@ class EngineBackend:
 
 class HFBackend:
     """transformers ``generate``: static batches of ``batch_size`` in workload order, left
-    padding, ``max_new_tokens`` = the batch's longest request (shorter ones are cut after)."""
+    padding, ``max_new_tokens`` = the batch's longest request (shorter ones are cut after).
+    Weights and inputs on ``device``, weights in the engine's resolved ``dtype``."""
 
-    def __init__(self, model: str, batch_size: int = 16, dtype: str = "auto") -> None:
+    def __init__(self, model: str, batch_size: int = 16, dtype: str = "auto",
+                 device: str = "cpu") -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -90,9 +101,11 @@ class HFBackend:
 
         self.name = "hf"
         self.batch_size = batch_size
-        resolved = ModelConfig.from_hf(model, dtype).dtype
+        self.device = str(device)
+        self.dtype = ModelConfig.from_hf(model, dtype).dtype
         self.model = AutoModelForCausalLM.from_pretrained(
-            model, dtype=getattr(torch, resolved), local_files_only=True).eval()
+            model, dtype=getattr(torch, self.dtype), local_files_only=True).eval()
+        self.model.to(torch.device(self.device))
         tok = get_tokenizer(model)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_id = int(pad) if pad is not None else 0
@@ -102,6 +115,7 @@ class HFBackend:
 
         outs: list[list[int]] = []
         generated = 0
+        synchronize(self.device)
         t0 = time.perf_counter()
         for i in range(0, len(reqs), self.batch_size):
             batch = reqs[i:i + self.batch_size]
@@ -114,16 +128,19 @@ class HFBackend:
             new = max(r.max_tokens for r in batch)
             with torch.inference_mode():
                 seq = self.model.generate(
-                    input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                    input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                    max_new_tokens=new, min_new_tokens=new,
                     do_sample=False, pad_token_id=self.pad_id,
                 )
             gen = seq[:, width:]
             generated += gen.numel()
             outs.extend(gen[j, :r.max_tokens].tolist() for j, r in enumerate(batch))
+        synchronize(self.device)
         elapsed = time.perf_counter() - t0
         return RunResult(self.name, elapsed, len(reqs), sum(r.prompt_len for r in reqs),
                          sum(len(o) for o in outs), generated, outs,
-                         {"batch_size": self.batch_size})
+                         {"batch_size": self.batch_size, "device": self.device,
+                          "dtype": self.dtype})
 
 
 class VllmBackend:
@@ -160,7 +177,8 @@ def make_backend(name: str, engine_kwargs: dict[str, Any], hf_batch_size: int) -
     if name == "contiguous":
         return EngineBackend(name, engine_kwargs, "contiguous")
     if name == "hf":
-        return HFBackend(model, hf_batch_size, engine_kwargs.get("dtype") or "auto")
+        return HFBackend(model, hf_batch_size, engine_kwargs.get("dtype") or "auto",
+                         engine_kwargs.get("device") or "cpu")
     if name == "vllm":
         if not vllm_available():
             raise ValueError("backend 'vllm' needs the vllm package; pip install vllm")

@@ -5,6 +5,9 @@ then the workload runs ``reps`` times per backend in rotated order (rep r starts
 so that machine load drifts hit all backends alike. Rates come from each backend's fastest
 repetition (on a shared machine, load only ever adds time, so the minimum is the least noisy
 estimate of the backend's own cost); the median time is kept in the JSON as well.
+
+All backends run on the engine kwargs' ``device`` (``--device cuda``: the engine, the contiguous
+baseline and HF generate on the same GPU; see ``baselines`` for the dtype HF uses).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.bench.baselines import RunResult, make_backend
+from pagedllm.bench.device import device_name
 from pagedllm.bench.report import (
     format_table,
     machine_info,
@@ -86,8 +90,11 @@ def run_throughput(
             if name in by:
                 checks.append((f"pagedllm/{name} output tokens/s",
                                ratios[f"pagedllm/{name}"]["output_tokens_per_s"], ">=", want))
+    device = str(engine_kwargs.get("device") or "cpu")
     return {
         "benchmark": "throughput",
+        "device": device,
+        "device_name": device_name(device),
         "results": results,
         "ratios": ratios,
         "greedy_output_agreement": agreement,
@@ -108,6 +115,8 @@ def _match(a: list[list[int]], b: list[list[int]]) -> float:
 
 def report_throughput(res: dict[str, Any], output_dir: Path, output_json: Path | None,
                       make_plots: bool = True) -> list[Path]:
+    dtype = res["engine"].get("dtype", "auto")
+    print(f"device {res.get('device_name') or res.get('device', 'cpu')}, dtype {dtype}")
     print(format_table(res["results"], COLUMNS,
                        ["backend", "req/s", "out tok/s", "total tok/s", "time s", "peak run",
                         "KV util"]))

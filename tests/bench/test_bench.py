@@ -163,6 +163,7 @@ def test_bench_throughput_cli(model: Path, tmp_path: Path) -> None:
                 "pagedllm,hf,contiguous", "--reps", "1", "--warmup", "1", "--hf-batch-size", "4",
                 "--output-dir", str(tmp_path), "--output-json", str(out), *SMALL], out)
     assert [r["backend"] for r in res["results"]] == ["pagedllm", "hf", "contiguous"]
+    assert (res["device"], res["device_name"], res["engine"]["device"]) == ("cpu", None, "cpu")
     for r in res["results"]:
         for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s"):
             assert r[k] > 0
