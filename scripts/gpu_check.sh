@@ -158,8 +158,9 @@ if want throughput; then
     else
         backends=hf
         ((HAVE_TRITON)) && backends=pagedllm,hf
+        # HF shares the GPU with the engine in one process: leave it half of the memory
         run_step throughput 300 "$PY" -m pagedllm.cli bench throughput "${TP_ARGS[@]}" \
-            --backends "$backends" --hf-batch-size "$HF_BATCH" \
+            --backends "$backends" --hf-batch-size "$HF_BATCH" --gpu-memory-utilization 0.5 \
             --output-json "$OUT/throughput.json"
     fi
 fi
