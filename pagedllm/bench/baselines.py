@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.bench.device import synchronize
+from pagedllm.bench.device import require_device, synchronize
 from pagedllm.bench.workload import BenchRequest
 
 BACKENDS = ("pagedllm", "hf", "contiguous", "vllm")
@@ -99,6 +99,7 @@ class HFBackend:
         from pagedllm.config import ModelConfig
         from pagedllm.tokenizer import get_tokenizer
 
+        require_device(device)
         self.name = "hf"
         self.batch_size = batch_size
         self.device = str(device)

@@ -45,6 +45,15 @@ def is_cuda(device: str) -> bool:
     return str(device).startswith("cuda")
 
 
+def require_device(device: str) -> None:
+    """A ValueError that says what to do when ``device`` is CUDA and torch sees no GPU."""
+    import torch
+
+    if is_cuda(device) and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but torch {torch.__version__} sees no CUDA GPU; "
+                         f"run on a GPU machine with a CUDA build of torch, or use --device cpu")
+
+
 def device_name(device: str) -> str | None:
     """``torch.cuda.get_device_name`` for a CUDA device, None for CPU."""
     if not is_cuda(device):

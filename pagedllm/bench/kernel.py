@@ -44,6 +44,7 @@ from pagedllm.bench.device import (
     is_cuda,
     measure_copy_bandwidth,
     peak_memory_bandwidth,
+    require_device,
     synchronize,
 )
 from pagedllm.bench.report import (
@@ -256,9 +257,7 @@ def run_kernel(
     dtype = dtype or defaults["dtype"]
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    if is_cuda(device) and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but torch sees no CUDA GPU "
-                         f"(torch {torch.__version__}); use --device cpu")
+    require_device(device)
     elem = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     name = device_name(device)
     peak = peak_memory_bandwidth(name)

@@ -179,13 +179,17 @@ def test_kernel_bench_triton_in_the_interpreter(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "TRITON_INTERPRET=1" in bad.stderr
 
 
-def test_kernel_bench_without_a_gpu_says_so(tmp_path: Path) -> None:
+def test_cuda_without_a_gpu_says_so(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     import torch
+
+    from pagedllm.bench.baselines import HFBackend
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert main(["bench", "kernel", "--device", "cuda", "--contexts", "16", "--no-plot",
                  "--output-dir", str(tmp_path)]) == 2
+    with pytest.raises(ValueError, match="sees no CUDA GPU.*--device cpu"):
+        HFBackend(str(tiny_models["llama"]), 2, "auto", "cuda")
 
 
 # -- HF and engine backends on the engine's device ----------------------------------------------
