@@ -73,14 +73,18 @@ class ModelRunner:
                 f"(torch.cuda.is_available() is False); install a CUDA build of torch on a GPU "
                 f"machine, or use --device cpu"
             )
+        if self.device.type == "cuda":  # kernels launch on the thread's current device
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
-        self.backend = get_backend(config.attention_backend, config.device)
+        self.backend = get_backend(config.attention_backend, str(self.device))
         self.uploader = Uploader(self.device)
         profiler = MemoryProfiler(self.device) if num_blocks is None else None
         if profiler is not None:
             profiler.start()
-        self.model = load_model(config.model, self.backend, config.device, tp)
+        self.model = load_model(config.model, self.backend, str(self.device), tp)
         cache = config.cache
         if cache.kv_quantized and not self.backend.supports_quantized_kv:
             raise ValueError(
@@ -109,7 +113,7 @@ class ModelRunner:
     def _new_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> KVCache:
         c = self.config.cache
         return KVCache(local_kv_model(self.config.model, self.tp_group), num_blocks, self.block_size,
-                       self.config.device, num_host_blocks, c.k_cache_dtype, c.v_cache_dtype)
+                       str(self.device), num_host_blocks, c.k_cache_dtype, c.v_cache_dtype)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV pool (and host tier); capture the decode CUDA graphs over it."""
@@ -243,6 +247,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         sched = out.scheduled
         result = RunnerOutput()
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)  # a server steps the engine from its own thread
         # block moves first, in this order (see SchedulerOutput), each one batched
         self.kv_cache.swap_out(out.swap_out)
         self.kv_cache.copy_blocks(out.block_copies)
