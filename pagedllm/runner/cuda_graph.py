@@ -118,7 +118,7 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        with torch.inference_mode(), torch.cuda.stream(stream):
             for g in reversed(self.sizes):
                 placeholder = [self.max_model_len] * g
                 self._fill_dummy(g)

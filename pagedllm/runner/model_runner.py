@@ -24,9 +24,9 @@ from pagedllm.layers.sampler import SamplingMetadata, sample
 from pagedllm.logging_utils import init_logger
 from pagedllm.models.loader import load_model
 from pagedllm.runner.batch import HostBatch, Uploader, build_host_batch, fetch
-from pagedllm.runner.cuda_graph import DecodeGraphs, capture_sizes
+from pagedllm.runner.cuda_graph import DecodeGraphs
 from pagedllm.runner.kv_cache import KVCache, kv_bytes_per_block
-from pagedllm.runner.memory import MemoryProfile, MemoryProfiler
+from pagedllm.runner.memory import MemoryProfile, MemoryProfiler, profile_memory
 from pagedllm.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = init_logger(__name__)
@@ -98,7 +98,7 @@ class ModelRunner:
         self.memory_profile: MemoryProfile | None = None
         if profiler is not None:
             profiler.weights_loaded()
-            self.memory_profile = self._profile_memory(profiler)
+            self.memory_profile = profile_memory(self, profiler)
         else:
             assert num_blocks is not None
             self.init_kv_cache(num_blocks)
@@ -110,7 +110,7 @@ class ModelRunner:
         return (self.device.type == "cuda" and not self.config.enforce_eager and self.tp_group is None
                 and self.backend.supports_cuda_graphs)
 
-    def _new_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> KVCache:
+    def new_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> KVCache:
         c = self.config.cache
         return KVCache(local_kv_model(self.config.model, self.tp_group), num_blocks, self.block_size,
                        str(self.device), num_host_blocks, c.k_cache_dtype, c.v_cache_dtype)
@@ -119,7 +119,7 @@ class ModelRunner:
         """Allocate the KV pool (and host tier); capture the decode CUDA graphs over it."""
         cache = self.config.cache
         host = cache.swap_space // kv_bytes_per_block(self.config.model, cache)
-        self.kv_cache = self._new_kv_cache(num_blocks, host)
+        self.kv_cache = self.new_kv_cache(num_blocks, host)
         if self.device.type == "cuda" and not self.use_cuda_graphs and not self.config.enforce_eager:
             logger.info("CUDA graphs off: attention backend %r does not support them%s",
                         self.backend.name, " (tensor parallel)" if self.tp_group is not None else "")
@@ -138,54 +138,6 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                  meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv.layers, meta)
-
-    # -- memory profiling ---------------------------------------------------------------------
-    def profile_run(self, num_tokens: int, num_reqs: int) -> None:
-        """One worst-case step against a throw-away KV cache: ``num_tokens`` new tokens over
-        ``num_reqs`` requests starting at position 0, logits for every request, and sampling with
-        top-k, top-p, min-p, penalties and 20 logprobs. Touches no engine state."""
-        num_reqs = max(1, min(num_reqs, num_tokens))
-        per, extra = divmod(num_tokens, num_reqs)
-        q_lens = [per + (i < extra) for i in range(num_reqs)]
-        tables: list[list[int]] = []
-        nxt = 0
-        for q in q_lens:
-            n = -(-q // self.block_size)
-            tables.append(list(range(nxt, nxt + n)))
-            nxt += n
-        kv = self._new_kv_cache(nxt)
-        hb = build_host_batch([[0] * q for q in q_lens], [0] * num_reqs, tables, self.block_size)
-        with torch.inference_mode():
-            ids, pos, meta = self.uploader.metadata(hb)
-            hidden = self.model(ids, pos, kv.layers, meta)
-            logits = self.model.compute_logits(hidden[self.uploader.upload([hb.q_start[1:] - 1])[0]])
-            b, dev = num_reqs, self.device
-            md = SamplingMetadata(
-                temperature=torch.ones(b, device=dev), all_greedy=False,
-                top_k=torch.full((b,), 50, dtype=torch.long, device=dev),
-                top_p=torch.full((b,), 0.9, device=dev), min_p=torch.full((b,), 0.05, device=dev),
-                presence_penalty=torch.ones(b, device=dev),
-                frequency_penalty=torch.ones(b, device=dev),
-                repetition_penalty=torch.ones(b, device=dev),
-                output_counts=torch.zeros(b, self.vocab_size, device=dev),
-                prompt_mask=torch.zeros(b, self.vocab_size, dtype=torch.bool, device=dev),
-                max_num_logprobs=20,
-            )
-            fetch([sample(logits, md).token_ids])
-        del kv
-
-    def _profile_memory(self, profiler: MemoryProfiler) -> MemoryProfile:
-        sc = self.config.scheduler
-        profiler.step()
-        self.profile_run(sc.max_num_batched_tokens, sc.max_num_seqs)
-        profiler.step_done("prefill")
-        if self.use_cuda_graphs:  # the graphs' pool holds the largest decode batch's activations
-            g = capture_sizes(sc.max_num_seqs)[-1]
-            profiler.step()
-            self.profile_run(g, g)
-            profiler.step_done("decode")
-        torch.cuda.empty_cache()
-        return profiler.profile()
 
     # -- batch preparation --------------------------------------------------------------------
     def host_batch(self, sched: list[ScheduledRequest]) -> HostBatch:
