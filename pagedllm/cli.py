@@ -146,6 +146,11 @@ def cmd_plan(a: argparse.Namespace) -> int:
     print(f"block            {plan.block_size} tokens = {plan.bytes_per_block} bytes")
     print(f"pool             {plan.num_blocks} blocks = {plan.num_tokens} tokens = {plan.nbytes / 2**20:.1f} MiB")
     print(f"max_model_len    {plan.max_model_len} -> {plan.max_concurrent_full_requests} full-length requests fit at once")
+    if cfg.is_cuda and c.kv_cache_memory is None and c.num_kv_blocks is None:
+        print(f"note             on {cfg.device} the engine sizes the pool at start-up from "
+              f"--gpu-memory-utilization={cfg.gpu_memory_utilization} and a memory profile; "
+              f"the figures above use the CPU default budget; pass --kv-cache-memory to plan "
+              f"a GPU pool")
     return 0
 
 

@@ -39,3 +39,14 @@ def test_bad_flags_give_a_clear_error(tiny_models: dict[str, Path]) -> None:
     assert r.returncode == 2 and "block_size=3 must be a power of two" in r.stderr
     r = _cli("plan", "--model", str(tiny_models["llama"]), "--num-kv-blocks", "2", "--max-model-len", "512")
     assert r.returncode == 2 and "lower --max-model-len" in r.stderr
+
+
+def test_device_flags(tiny_models: dict[str, Path]) -> None:
+    model = str(tiny_models["llama"])
+    r = _cli("plan", "--model", model, "--device", "cuda")
+    assert r.returncode == 0, r.stderr
+    assert "--gpu-memory-utilization=0.9 and a memory profile" in r.stdout
+    r = _cli("plan", "--model", model, "--device", "tpu")
+    assert r.returncode == 2 and "device='tpu' must be 'cpu', 'cuda' or 'cuda:N'" in r.stderr
+    r = _cli("generate", "t5", "--model", model, "--gpu-memory-utilization", "0")
+    assert r.returncode == 2 and "gpu_memory_utilization=0.0 must be in (0, 1]" in r.stderr
