@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from pagedllm.attention import AttentionMetadata, get_backend
@@ -27,6 +26,7 @@ from pagedllm.runner.batch import HostBatch, Uploader, build_host_batch, fetch
 from pagedllm.runner.cuda_graph import DecodeGraphs
 from pagedllm.runner.kv_cache import KVCache, kv_bytes_per_block
 from pagedllm.runner.memory import MemoryProfile, MemoryProfiler, profile_memory
+from pagedllm.runner.penalties import PenaltyCounts
 from pagedllm.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = init_logger(__name__)
@@ -93,6 +93,7 @@ class ModelRunner:
                 f"use --kv-cache-dtype auto or a backend that does: torch_ref, cpu, triton"
             )
         self.generators: dict[str, torch.Generator] = {}
+        self.penalty_counts = PenaltyCounts(self.vocab_size, self.uploader)
         torch.manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None
         self.memory_profile: MemoryProfile | None = None
@@ -183,11 +184,12 @@ class ModelRunner:
         return md
 
     def _add_penalties(self, md: SamplingMetadata, sched: list[ScheduledRequest]) -> None:
-        up, vocab = self.uploader, self.vocab_size
+        up = self.uploader
         params = [s.request.params for s in sched]
-        md.output_counts = _counts([s.request.output_token_ids for s in sched], vocab, up)
-        if any(p.repetition_penalty != 1.0 for p in params):
-            md.prompt_mask = _counts([s.request.prompt_token_ids for s in sched], vocab, up) > 0
+        repetition = any(p.repetition_penalty != 1.0 for p in params)
+        md.output_counts, md.prompt_mask = self.penalty_counts.rows(
+            [s.request for s in sched], with_prompt=repetition)
+        if repetition:
             md.repetition_penalty = up.tensor([p.repetition_penalty for p in params], torch.float32)
         if any(p.presence_penalty != 0.0 for p in params):
             md.presence_penalty = up.tensor([p.presence_penalty for p in params], torch.float32)
@@ -266,18 +268,7 @@ class ModelRunner:
         return PromptLogprobsChunk(s.start + 1, chosen.tolist(), ranks.tolist(), topk)
 
     def release(self, request_ids: list[str]) -> None:
-        """Forget per-request state (seeded generators) of finished requests."""
+        """Forget per-request state (seeded generators, penalty counts) of finished requests."""
         for rid in request_ids:
             self.generators.pop(rid, None)
-
-
-def _counts(seqs: list[list[int]], vocab: int, up: Uploader) -> torch.Tensor:
-    """[len(seqs), vocab] occurrence counts of each row's token ids, built with one scatter_add."""
-    b = len(seqs)
-    counts = torch.zeros(b, vocab, dtype=torch.float32, device=up.device)
-    lens = [len(x) for x in seqs]
-    if sum(lens):
-        flat, rows = up.upload([np.fromiter((t for x in seqs for t in x), dtype=np.int64),
-                                np.repeat(np.arange(b), lens)])
-        counts.index_put_((rows, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
-    return counts
+            self.penalty_counts.release(rid)
