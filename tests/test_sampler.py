@@ -79,7 +79,11 @@ def test_penalties() -> None:
 
 def test_banned_tokens() -> None:
     logits = torch.tensor([[5.0, 1.0, 0.0]])
-    assert sample(logits, _md(1, 0.0, banned=[(0, [0])])).token_ids.tolist() == [1]
+    assert sample(logits, _md(1, 0.0, banned=(torch.tensor([0]), torch.tensor([0])))).token_ids.tolist() == [1]
+    logits = torch.tensor([[5.0, 4.0, 0.0], [0.0, 1.0, 9.0]])
+    banned = (torch.tensor([0, 0, 1]), torch.tensor([0, 1, 2]))  # row 0: ids 0, 1; row 1: id 2
+    assert sample(logits, _md(2, 0.0, banned=banned)).token_ids.tolist() == [2, 1]
+    assert logits[0, 0] == 5.0  # the caller's logits are left alone
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,8 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None = None  # [B]
     output_counts: torch.Tensor | None = None  # [B, V] counts of generated tokens
     prompt_mask: torch.Tensor | None = None  # [B, V] bool: token occurs in the prompt
-    banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, token ids)
+    # min_tokens: (rows, token ids), two equal-length int64 tensors; logits[rows, ids] = -inf
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None
 
 
@@ -87,10 +88,8 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     logits = logits.float()
     raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
     logits = apply_penalties(logits, md)
-    if md.banned:
-        logits = logits.clone()
-        for row, toks in md.banned:
-            logits[row, toks] = float("-inf")
+    if md.banned is not None:
+        logits = logits.index_put(md.banned, torch.full((), float("-inf"), device=logits.device))
     greedy_ids = logits.argmax(-1)
     if md.all_greedy:
         ids = greedy_ids

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagedllm.attention import AttentionMetadata, get_backend
@@ -173,12 +174,18 @@ class ModelRunner:
                     md.generators[row] = gen
         if any(p.uses_penalties for p in params):
             self._add_penalties(md, sched)
+        rows: list[int] = []
+        bans: list[int] = []
         for row, s in enumerate(sched):
             r = s.request
             if r.num_output_tokens < r.params.min_tokens:
                 ban = list(r.eos_token_ids) + list(r.params.stop_token_ids or [])
-                if ban:
-                    md.banned.append((row, ban))
+                rows.extend([row] * len(ban))
+                bans.extend(ban)
+        if bans:
+            banned_rows, banned_ids = up.upload([np.asarray(rows, dtype=np.int64),
+                                                 np.asarray(bans, dtype=np.int64)])
+            md.banned = (banned_rows, banned_ids)
         ks = [p.logprobs for p in params if p.logprobs is not None]
         md.max_num_logprobs = max(ks) if ks else None
         return md
