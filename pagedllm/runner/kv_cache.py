@@ -56,7 +56,9 @@ def storage_dtype(kv_cache_dtype: str, model_dtype: str) -> torch.dtype:
 
 
 def _index(ids: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.long, device=device)
+    """Block ids as an index tensor; on CUDA from pinned memory, not waiting for the stream."""
+    t = torch.tensor(ids, dtype=torch.long)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 class KVCache:
