@@ -1,4 +1,5 @@
-"""Helpers shared by the Triton kernels' wrappers: tile sizes, checks, interpreter detection."""
+"""Helpers shared by the Triton kernels and their wrappers: the paged K/V tile load, tile sizes,
+checks, interpreter detection."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 import triton
+import triton.language as tl
 
 from pagedllm.attention.quant import QMAX, KVCacheTensor, QuantizedKV
 
@@ -77,3 +79,55 @@ def check_cache(k_cache: KVCacheTensor, v_cache: KVCacheTensor) -> CacheArgs:
 
 def _data(cache: KVCacheTensor) -> torch.Tensor:
     return cache.data if isinstance(cache, QuantizedKV) else cache
+
+
+@triton.jit
+def load_kv_tile(
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,
+    k_scale_ptr,  # [num_blocks, block_size, Hkv] bf16 (read when K_QUANT)
+    v_scale_ptr,  # (read when V_QUANT)
+    table,  # this request's row of the block table
+    start,  # first key position of the tile
+    pos,  # [TILE_N] key positions start ... start + TILE_N - 1
+    k_mask,  # [TILE_N] which keys to load
+    kv_head,
+    d,  # [BLOCK_D] arange
+    d_mask,
+    q,  # the query tile: K/V come back in its dtype
+    stride_cb,
+    stride_co,
+    stride_ch,
+    stride_sb,
+    stride_so,
+    stride_sh,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    K_QUANT: tl.constexpr,
+    V_QUANT: tl.constexpr,
+):
+    """K and V of TILE_N consecutive key positions of one KV head, [TILE_N, BLOCK_D] each, read
+    in place through the block table (key p at block table[p // BLOCK_SIZE], offset
+    p % BLOCK_SIZE; a tile may span several small blocks or part of a large one). Quantized KV is
+    dequantized on load: value * its token's, head's scale, in fp32, then to q's dtype."""
+    if BLOCK_SIZE >= TILE_N:  # the tile lies inside one block
+        block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
+    else:
+        block = tl.load(table + pos // BLOCK_SIZE, mask=k_mask, other=0).to(tl.int64)
+    row_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_co
+    kv_off = row_off[:, None] + kv_head * stride_ch + d[None, :]
+    kv_mask = k_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    scale_off = block * stride_sb + (pos % BLOCK_SIZE) * stride_so + kv_head * stride_sh
+    if K_QUANT:
+        ks = tl.load(k_scale_ptr + scale_off, mask=k_mask, other=0.0).to(tl.float32)
+        k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
+    if V_QUANT:
+        vs = tl.load(v_scale_ptr + scale_off, mask=k_mask, other=0.0).to(tl.float32)
+        v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v

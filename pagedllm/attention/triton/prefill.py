@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.quant import KVCacheTensor
-from pagedllm.attention.triton.common import check_cache, dot_config, next_pow2
+from pagedllm.attention.triton.common import check_cache, dot_config, load_kv_tile, next_pow2
 
 
 @triton.jit
@@ -101,26 +101,11 @@ def _prefill_kernel(
     for start in range(lo, hi, TILE_N):
         pos = start + tl.arange(0, TILE_N)
         k_mask = pos < seq_len
-        if BLOCK_SIZE >= TILE_N:  # the tile lies inside one block
-            block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
-        else:
-            block = tl.load(table + pos // BLOCK_SIZE, mask=k_mask, other=0).to(tl.int64)
-        row_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_co
-        kv_off = row_off[:, None] + kv_head * stride_ch + d[None, :]
-        kv_mask = k_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [TILE_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        # Quantized KV: dequantize on load (see decode.py)
-        scale_off = block * stride_sb + (pos % BLOCK_SIZE) * stride_so + kv_head * stride_sh
-        if K_QUANT:
-            ks = tl.load(k_scale_ptr + scale_off, mask=k_mask, other=0.0).to(tl.float32)
-            k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
-        if V_QUANT:
-            vs = tl.load(v_scale_ptr + scale_off, mask=k_mask, other=0.0).to(tl.float32)
-            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_tile(  # [TILE_N, BLOCK_D] each
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table, start, pos, k_mask,
+            kv_head, d, d_mask, q, stride_cb, stride_co, stride_ch, stride_sb, stride_so,
+            stride_sh, BLOCK_SIZE, TILE_N, DOT_FP32, K_QUANT, V_QUANT,
+        )
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
         keep = (pos[None, :] <= q_pos[:, None]) & k_mask[None, :]
         if USE_WINDOW:
