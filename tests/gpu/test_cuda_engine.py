@@ -26,18 +26,21 @@ def _tokens(llm: LLM, sp: SamplingParams = GREEDY) -> list[list[int]]:
     return [list(r.outputs[0].token_ids) for r in llm.generate(PROMPTS, sp, use_tqdm=False)]
 
 
-def _hf_greedy(path: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+ID_PROMPTS = [[5], [9, 9], [40] * 30, list(range(100, 160)), [7, 8, 9, 10, 11, 12, 13]]
 
-    tok = AutoTokenizer.from_pretrained(path)
+
+def _hf_greedy(path: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """HF generate on the same GPU, fp32, one prompt at a time (no padding in the reference)."""
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     outs = []
-    for p in prompts:  # one at a time: no padding in the reference
-        ids = torch.tensor([tok(p)["input_ids"]], device="cuda")
+    for p in prompts:
+        ids = torch.tensor([p], device="cuda")
         with torch.inference_mode():
-            seq = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                 do_sample=False)
-        outs.append(seq[0, ids.shape[1]:].tolist())
+            seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs.append(seq[0, len(p):].tolist())
     return outs
 
 
@@ -46,20 +49,11 @@ def test_greedy_matches_hf_on_the_gpu(tiny_models: dict[str, Path], arch: str) -
     llm = LLM(model=str(tiny_models[arch]), device="cuda", max_model_len=256, **SMALL)
     runner = llm.engine.runner
     assert runner.backend.name == "triton" and runner.graphs is not None
-    prompts = PROMPTS if arch != "qwen2" else [{"prompt_token_ids": [5, 6, 7, 8, 9]}]
-    sp = GREEDY
-    got = [list(r.outputs[0].token_ids) for r in llm.generate(prompts, sp, use_tqdm=False)]
-    if arch == "qwen2":  # AutoTokenizer maps model_type qwen2 to its own class: use ids
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(tiny_models[arch]).cuda().eval()
-        ids = torch.tensor([[5, 6, 7, 8, 9]], device="cuda")
-        seq = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
-        want = [seq[0, 5:].tolist()]
-    else:
-        want = _hf_greedy(tiny_models[arch], PROMPTS, 16)
-    assert got == want
+    outs = llm.generate([{"prompt_token_ids": p} for p in ID_PROMPTS], GREEDY, use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got == _hf_greedy(tiny_models[arch], ID_PROMPTS, GREEDY.max_tokens)
     assert runner.graphs.replays > 0
+    llm.engine.check_integrity()
 
 
 def test_cuda_graphs_give_the_eager_tokens_and_logprobs(tiny_models: dict[str, Path]) -> None:
@@ -98,7 +92,7 @@ def test_pool_is_sized_from_gpu_memory_utilization(tiny_models: dict[str, Path])
 def test_swap_preemption_through_pinned_host_memory(tiny_models: dict[str, Path]) -> None:
     kw = dict(model=str(tiny_models["llama"]), device="cuda", max_model_len=256, block_size=16)
     want = _tokens(LLM(num_kv_blocks=256, **kw))
-    llm = LLM(num_kv_blocks=24, swap_space=0.01, preemption_mode="swap", **kw)
+    llm = LLM(num_kv_blocks=16, swap_space=0.01, preemption_mode="swap", **kw)  # 5 preemptions on CPU
     assert llm.engine.runner.kv_cache.host is not None
     assert all(t.is_pinned() for t in llm.engine.runner.kv_cache.host)
     assert _tokens(llm) == want
