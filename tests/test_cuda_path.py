@@ -139,3 +139,26 @@ def test_decode_graphs_follow_a_resized_pool(tiny_models: dict[str, Path]) -> No
     got = _generate(llm, PROMPTS, 12)
     assert got == want
     assert graphs.generation > 0 and graphs.replays > 0  # rebuilt after a growth, then used
+
+
+def test_a_failed_graph_capture_falls_back_to_eager(tiny_models: dict[str, Path],
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from pagedllm.runner.cuda_graph import DecodeGraphs
+    from pagedllm.runner.model_runner import ModelRunner
+
+    def broken(self: DecodeGraphs, warmup: bool = True) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(ModelRunner, "use_cuda_graphs", property(lambda self: True))
+    monkeypatch.setattr(DecodeGraphs, "capture_all", broken)
+    kw = dict(model=str(tiny_models["llama"]), block_size=4, num_kv_blocks=128, max_model_len=128)
+    monkeypatch.setattr(logging.getLogger("pagedllm"), "propagate", True)  # into caplog
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(**kw)
+    assert llm.engine.runner.graphs is None
+    assert "CUDA graph capture failed" in caplog.text and "stream is capturing" in caplog.text
+    monkeypatch.undo()
+    assert _generate(llm, PROMPTS) == _generate(LLM(**kw), PROMPTS)

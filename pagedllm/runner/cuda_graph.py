@@ -69,7 +69,7 @@ class DecodeGraphs:
         gmax = self.sizes[-1]
         n = gmax * (4 + self.width)
         self.static = torch.zeros(n, dtype=torch.int64, device=device)
-        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=capture)
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._copied: torch.cuda.Event | None = None  # the last host->static copy (batch.py)
         self.arange = torch.arange(gmax + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -126,7 +126,12 @@ class ModelRunner:
             logger.info("CUDA graphs off: attention backend %r does not support them%s",
                         self.backend.name, " (tensor parallel)" if self.tp_group is not None else "")
         if self.use_cuda_graphs:
-            self.enable_decode_graphs()
+            try:
+                self.enable_decode_graphs()
+            except RuntimeError as e:  # a CUDA or Triton error while recording: serve eagerly
+                self.graphs = None
+                logger.warning("CUDA graph capture failed, decode steps run eagerly "
+                               "(--enforce-eager skips the attempt): %s", e)
 
     def enable_decode_graphs(self, capture: bool = True) -> DecodeGraphs:
         """Serve decode-only steps from static buffers, recorded as CUDA graphs (``capture``),
