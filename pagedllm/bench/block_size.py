@@ -7,7 +7,7 @@ the workload run ``reps`` times interleaved across block sizes. Reported:
   concurrency;
 - KV utilization (live / reserved slots) and internal fragmentation (1 - utilization: the
   unused tail of each request's last block);
-- table-lookup overhead: time per step in ``ModelRunner.host_batch`` (block tables -> slot mapping)
+- table-lookup overhead: time per step in ``ModelRunner.prepare`` (block tables -> slot mapping)
   and in the attention backend (gathering K/V through the block tables), per step and as a
   share of the step.
 """
@@ -72,8 +72,8 @@ def run_block_size(
                              f"one max_model_len={mml} request needs; raise --budget-tokens")
         kw = {**engine_kwargs, "block_size": bs, "num_kv_blocks": nb, "kv_cache_memory": None}
         b = EngineBackend(f"bs{bs}", kw, "paged")
-        prep = _Timed(b.engine.runner.host_batch)
-        b.engine.runner.host_batch = prep  # type: ignore[method-assign]
+        prep = _Timed(b.engine.runner.prepare)
+        b.engine.runner.prepare = prep  # type: ignore[method-assign]
         attn = _Timed(b.engine.runner.backend.forward)
         b.engine.runner.backend.forward = attn  # type: ignore[method-assign]
         b.run(reqs[:2])  # warm-up

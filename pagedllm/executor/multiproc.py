@@ -5,7 +5,7 @@
     engine process (rank 0)                              worker r (spawned, or a Ray actor)
     ───────────────────────                              ──────────────────────────────────
     scheduler + block manager (once)
-    host_batch(step) ── ("step", ids, pos, meta) ─pipe─▶  unpack
+    prepare(step) ──── ("step", ids, pos, meta) ─pipe─▶  unpack
     forward: 2 all-reduces per layer  ◀──── gloo ────▶   forward: the same all-reduces
     sample (full logits: lm_head is replicated)          (no logits)
     kv_cache.copy_blocks / swap / resize ── ("kv",..) ─▶ the same move on its own KV heads

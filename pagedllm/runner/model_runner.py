@@ -147,7 +147,7 @@ class ModelRunner:
         return self.model(input_ids, positions, kv.layers, meta)
 
     # -- batch preparation --------------------------------------------------------------------
-    def host_batch(self, sched: list[ScheduledRequest]) -> HostBatch:
+    def prepare(self, sched: list[ScheduledRequest]) -> HostBatch:
         """The step's flat batch on the host: block tables -> positions and slot mapping."""
         return build_host_batch([s.request.token_ids[s.start : s.end] for s in sched],
                                 [s.start for s in sched], [s.block_table for s in sched],
@@ -221,7 +221,7 @@ class ModelRunner:
         self.kv_cache.swap_in(out.swap_in)
         if not sched:
             return result
-        hb = self.host_batch(sched)
+        hb = self.prepare(sched)
         if self.graphs is not None and self.graphs.can_run(hb):
             hidden = self.graphs.run(hb)  # [B, hidden]: one row per decode request
         else:
