@@ -160,6 +160,24 @@ def test_random_batches(
     run_both(reqs, block_size, heads[0], heads[1], head_dim, torch.float32, window, seed=seed)
 
 
+def assert_slots_hold(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      meta: AttentionMetadata) -> None:
+    """New row j (request i, position p) sits at block_tables[i, p // bs], offset p % bs, and
+    every other slot of the (zero-initialised) caches is still zero."""
+    num_blocks, block_size, hkv, d = kc.shape
+    row = 0
+    qsl = meta.query_start_loc_cpu
+    for i in range(meta.num_reqs):
+        for p in range(meta.seq_lens_cpu[i] - (qsl[i + 1] - qsl[i]), meta.seq_lens_cpu[i]):
+            block = int(meta.block_tables[i, p // block_size])
+            assert torch.equal(kc[block, p % block_size], k[row])
+            assert torch.equal(vc[block, p % block_size], v[row])
+            row += 1
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[meta.slot_mapping] = True
+    assert not kc.view(-1, hkv, d)[~written].any() and not vc.view(-1, hkv, d)[~written].any()
+
+
 @pytest.mark.parametrize("backend", ["torch_ref", "cpu"])
 def test_write_kv_slots(backend: str) -> None:
     gen = torch.Generator().manual_seed(1)
@@ -172,18 +190,7 @@ def test_write_kv_slots(backend: str) -> None:
     kc = torch.zeros(num_blocks, block_size, hkv, d)
     vc = torch.zeros_like(kc)
     get_backend(backend, "cpu").forward(q, k, v, kc, vc, meta, d**-0.5)
-    # token j of request i sits at block_tables[i, p // bs], offset p % bs, p its position
-    row = 0
-    qsl = meta.query_start_loc_cpu
-    for i in range(meta.num_reqs):
-        for p in range(meta.seq_lens_cpu[i] - (qsl[i + 1] - qsl[i]), meta.seq_lens_cpu[i]):
-            block = int(meta.block_tables[i, p // block_size])
-            assert torch.equal(kc[block, p % block_size], k[row])
-            assert torch.equal(vc[block, p % block_size], v[row])
-            row += 1
-    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
-    written[meta.slot_mapping] = True
-    assert not kc.view(-1, hkv, d)[~written].any() and not vc.view(-1, hkv, d)[~written].any()
+    assert_slots_hold(kc, vc, k, v, meta)
 
 
 def test_registry() -> None:

@@ -12,6 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from aot_compile import compile_kernels  # noqa: E402
 from test_backends import TOL, make_batch  # noqa: E402
 
 from pagedllm.attention import get_backend  # noqa: E402
@@ -272,26 +273,7 @@ def test_dtype_names_and_errors(tiny_models, monkeypatch: pytest.MonkeyPatch) ->
             check_cache(z, z)
 
 
-_COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from pagedllm.attention.triton import decode, kv_write, prefill
-
-def compile_for(kernel, ptrs, consts, arch):
-    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
-    consts = {**defaults, **consts}
-    sig = {}
-    for name in kernel.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            sig[name] = ptrs.get(name, "*i32")
-        else:
-            sig[name] = "fp32" if name == "scale_log2" else "i32"
-    triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
-                   target=GPUTarget("cuda", arch, 32))
-
+_COMPILE_BODY = """
 for arch, qt, qmax in [(90, "i8", 127.0), (90, "fp8e4nv", 448.0), (90, "fp8e5", 57344.0),
                        (80, "i8", 127.0)]:
     for dt in ("fp16", "bf16", "fp32"):
@@ -315,13 +297,4 @@ print("compiled")
 def test_quantized_kernels_compile_for_gpu() -> None:
     """Ahead-of-time compile of the quantized kernel variants (no GPU needed): int8 on sm_80 and
     sm_90, fp8 e4m3 / e5m2 on sm_90."""
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env,
-                       timeout=900)
-    if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr.lower():
-        pytest.skip("no ptxas")
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+    compile_kernels(_COMPILE_BODY)

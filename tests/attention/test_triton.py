@@ -12,7 +12,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -22,9 +21,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'pagedllm[cuda]')")
 
+from aot_compile import compile_kernels  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_backends import HEADS, TOL, make_batch  # noqa: E402
+from test_backends import HEADS, TOL, assert_slots_hold, make_batch  # noqa: E402
 
 from pagedllm.attention import get_backend, registry  # noqa: E402
 from pagedllm.attention.torch_ref import TorchRefBackend  # noqa: E402
@@ -135,18 +135,7 @@ def test_write_kv_slots(dtype: torch.dtype) -> None:
     kc = torch.zeros(num_blocks, block_size, hkv, d, dtype=dtype, device=DEVICE)
     vc = torch.zeros_like(kc)
     write_kv(k.to(DEVICE), v.to(DEVICE), kc, vc, meta.slot_mapping.to(DEVICE))
-    kc, vc = kc.cpu(), vc.cpu()
-    row = 0
-    qsl = meta.query_start_loc_cpu
-    for i in range(meta.num_reqs):
-        for p in range(meta.seq_lens_cpu[i] - (qsl[i + 1] - qsl[i]), meta.seq_lens_cpu[i]):
-            block = int(meta.block_tables[i, p // block_size])
-            assert torch.equal(kc[block, p % block_size], k[row])
-            assert torch.equal(vc[block, p % block_size], v[row])
-            row += 1
-    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
-    written[meta.slot_mapping] = True
-    assert not kc.view(-1, hkv, d)[~written].any() and not vc.view(-1, hkv, d)[~written].any()
+    assert_slots_hold(kc.cpu(), vc.cpu(), k, v, meta)
 
 
 def test_registry_and_cuda_requirement(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -313,29 +302,8 @@ def test_engine_with_triton_and_decode_graphs_matches_hf(tiny_models: dict[str, 
     llm.engine.check_integrity()
 
 
-_COMPILE_SCRIPT = textwrap.dedent(
+_COMPILE_BODY = textwrap.dedent(
     """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from pagedllm.attention.triton import decode, kv_write, prefill
-
-    def compile_for(kernel, ptrs, consts, arch):
-        defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
-        consts = {**defaults, **consts}
-        sig = {}
-        for name in kernel.arg_names:
-            if name in consts:
-                sig[name] = "constexpr"
-            elif name.endswith("_ptr"):
-                sig[name] = ptrs.get(name, "*i32")
-            else:
-                sig[name] = "fp32" if name == "scale_log2" else "i32"
-        src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
-        c = triton.compile(src, target=GPUTarget("cuda", arch, 32))
-        limit = 232448 if arch >= 90 else 166912
-        assert c.metadata.shared <= limit, (kernel, consts, c.metadata.shared)
-
     for arch, dt, d, group, bs in [
         (90, "fp16", 128, 8, 16), (90, "bf16", 80, 4, 256), (90, "fp32", 256, 1, 32),
         (80, "fp16", 256, 8, 16), (80, "bf16", 64, 1, 128),
@@ -366,15 +334,5 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_kernels_compile_for_gpu() -> None:
-    """The interpreter checks semantics, not GPU codegen: compile each kernel ahead of time for
-    sm_80 and sm_90 (no GPU needed; triton ships ptxas) and check the shared-memory budget."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    res = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True
-    )
-    if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr.lower():
-        pytest.skip(f"no ptxas to compile with: {res.stderr[-300:]}")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "compiled" in res.stdout
+    """Every kernel compiled ahead of time for sm_80 and sm_90 within the shared-memory budget."""
+    compile_kernels(_COMPILE_BODY)
