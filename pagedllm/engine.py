@@ -185,6 +185,10 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
         self.scheduler.check_fits(len(ids))
+        limit = self.config.scheduler.max_num_seqs
+        if params.n > limit:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={limit}: the n sequences of a "
+                             f"request run together; lower n or raise --max-num-seqs")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children: list[Request] = []
         detoks: list[IncrementalDetokenizer] = []

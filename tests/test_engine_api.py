@@ -75,6 +75,8 @@ def test_invalid_input_raises_and_loses_nothing(llm: LLM) -> None:
         llm.generate({"prompt_token_ids": [5, 100000]}, use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         llm.generate({"prompt_token_ids": []}, use_tqdm=False)
+    with pytest.raises(ValueError, match="n=65 exceeds max_num_seqs=64"):
+        llm.generate("t5", SamplingParams(n=65), use_tqdm=False)
     # a bad prompt in the middle of a batch: nothing of the batch stays queued
     with pytest.raises(ValueError):
         llm.generate(["t5", {"prompt_token_ids": [5] * 300}, "t6"], use_tqdm=False)
