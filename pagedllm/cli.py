@@ -131,7 +131,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from pagedllm.engine import build_engine_config, plan_kv_pool
+    from pagedllm.engine import build_engine_config
+    from pagedllm.kv.plan import plan_kv_pool
 
     kwargs = _engine_kwargs(a)
     kwargs.pop("preheat_prompts")

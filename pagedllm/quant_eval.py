@@ -114,7 +114,8 @@ def evaluate(
 ) -> list[Row]:
     from pagedllm import LLM
     from pagedllm.config import parse_memory
-    from pagedllm.engine import build_engine_config, plan_kv_pool
+    from pagedllm.engine import build_engine_config
+    from pagedllm.kv.plan import plan_kv_pool
 
     configs = configs or CONFIGS
     kw: dict[str, Any] = dict(model=model, max_model_len=max(window_len, greedy_prompt_len) + greedy_tokens + 8,

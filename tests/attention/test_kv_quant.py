@@ -218,7 +218,7 @@ def test_kv_cache_moves_quantized_blocks_bit_exactly(kv: tuple[str, str]) -> Non
 
 # -- config, pool sizing, errors ---------------------------------------------------------------
 def test_bytes_per_token_and_pool_sizing() -> None:
-    from pagedllm.engine import plan_kv_pool
+    from pagedllm.kv.plan import plan_kv_pool
 
     sched = SchedulerConfig(max_model_len=64)
     for model_dtype, elem in (("float32", 4), ("bfloat16", 2)):
