@@ -187,7 +187,8 @@ def test_bad_num_blocks() -> None:
 
 
 def test_importing_kv_does_not_import_torch() -> None:
-    code = "import sys, pagedllm.kv; assert 'torch' not in sys.modules, 'kv imported torch'"
+    code = ("import sys, pagedllm.kv, pagedllm.kv.plan, pagedllm.scheduler; "
+            "assert 'torch' not in sys.modules, 'kv imported torch'")
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
