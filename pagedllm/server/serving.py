@@ -1,0 +1,327 @@
+"""Request handling for the OpenAI app: everything between a raw request and the engine.
+
+``ServerLimits`` and ``APIError`` (an OpenAI-shaped refusal); reading a body by hand (size limit,
+strict UTF-8, strict JSON) and validating it against ``protocol``'s strict models; ``_Server``, the
+per-app state that checks auth and model name, turns request fields into ``SamplingParams``,
+submits to the ``AsyncEngine`` and collects a non-streamed answer (aborting if the client goes
+away); and the prompt sources, which tokenize and check length on the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from pagedllm.engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.server.async_engine import AsyncEngine, EngineError, OutputStream, PromptSource
+from pagedllm.server.metrics import ServerMetrics
+from pagedllm.server.protocol import ErrorInfo, ErrorResponse, _SamplingFields
+
+MAX_SEED = 2**63 - 1024  # room for seed + i over n samples inside torch's int64 range
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Per-request limits; anything above is a 400 naming the field."""
+
+    max_request_bytes: int = 1 << 20
+    max_n: int = 16
+    max_tokens: int | None = None  # None: max_model_len
+    max_prompt_tokens: int | None = None  # None: max_model_len - 1
+    max_prompts: int = 32  # prompts in one /v1/completions batch
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+# -- request parsing -----------------------------------------------------------------------------
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+    cl = request.headers.get("content-length")
+    if cl is not None and cl.isdigit() and int(cl) > limit:
+        raise APIError(400, f"the request body has {cl} bytes; the limit is {limit} (--max-request-bytes)",
+                       param="body", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(400, f"the request body exceeds {limit} bytes (--max-request-bytes)",
+                           param="body", code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start})", param="body",
+                       code="invalid_encoding") from None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", param="body",
+                       code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, "the request body must be a JSON object", param="body", code="invalid_json")
+    return obj
+
+
+def _validate(model: type[M], body: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        errs = e.errors(include_url=False)
+        first = errs[0]
+        loc = [str(x) for x in first["loc"]]
+        param = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        more = f" (and {len(errs) - 1} more problems)" if len(errs) > 1 else ""
+        raise APIError(400, f"{where}: {first['msg']}{more}", param=param, code="invalid_value") from None
+
+
+def _field_of(message: str) -> str | None:
+    m = re.match(r"([a-z_]+)=", message)
+    return m.group(1) if m else None
+
+
+def _nonfinite(name: str, value: float | None) -> None:
+    if value is not None and not math.isfinite(value):
+        raise APIError(400, f"{name}={value} is invalid; give a finite number", param=name)
+
+
+# -- app ------------------------------------------------------------------------------------------
+
+
+class _Server:
+    """Request handling state for one app (engine, limits, names)."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, api_key: str | None, limits: ServerLimits,
+                 batch_wait_ms: float) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.aliases = {model_name, Path(model_name).name}
+        self.api_key = api_key
+        self.limits = limits
+        self.max_model_len = engine.config.scheduler.max_model_len
+        self.vocab_size = engine.config.model.vocab_size
+        self.metrics = ServerMetrics(engine, model_name)
+        self.async_engine = AsyncEngine(engine, self.metrics, batch_wait_ms)
+
+    # -- checks ------------------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        if not ok:
+            raise APIError(401, "missing or incorrect API key; send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.aliases:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def sampling_params(self, req: _SamplingFields, max_tokens: int | None, max_tokens_field: str,
+                        logprobs: int | None, logprobs_field: str) -> SamplingParams:
+        lim = self.limits
+        if req.n > lim.max_n:
+            raise APIError(400, f"n={req.n} exceeds this server's limit of {lim.max_n} (--max-n)", param="n")
+        cap = min(lim.max_tokens or self.max_model_len, self.max_model_len)
+        if max_tokens is not None and max_tokens > cap:
+            raise APIError(400, f"{max_tokens_field}={max_tokens} exceeds this server's limit of {cap}",
+                           param=max_tokens_field)
+        if max_tokens is None and lim.max_tokens is not None:
+            max_tokens = cap
+        if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+            raise APIError(400, f"seed={req.seed} is invalid; must be in [0, {MAX_SEED}]", param="seed")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            _nonfinite(name, getattr(req, name))
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        top_k = req.top_k
+        if top_k is not None and top_k >= self.vocab_size:
+            top_k = 0  # keeping the whole vocabulary is no top-k at all
+        kwargs: dict[str, Any] = dict(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if top_k is None else top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            param = _field_of(str(e))
+            msg = str(e)
+            if param == "max_tokens" and max_tokens_field != "max_tokens":
+                param = max_tokens_field
+            if param == "logprobs":
+                param = logprobs_field
+                msg = msg.replace("logprobs=", f"{logprobs_field}=", 1)
+            raise APIError(400, msg, param=param) from None
+
+    def prompt_checker(self, ids: list[int], param: str) -> None:
+        lim = self.limits.max_prompt_tokens
+        if lim is not None and len(ids) > lim:
+            raise ValueError(f"{param} has {len(ids)} tokens; this server accepts at most {lim} "
+                             f"(--max-prompt-tokens)")
+
+    # -- submission --------------------------------------------------------------------------------
+    async def submit(self, base_id: str, prompts: list[PromptSource], params: SamplingParams,
+                     priority: int, param: str) -> tuple[OutputStream, list[str]]:
+        stream = OutputStream()
+        ids: list[str] = []
+        try:
+            for i, p in enumerate(prompts):
+                rid = f"{base_id}-{i}"
+                await self.async_engine.add_request(rid, p, params, stream, priority)
+                ids.append(rid)
+        except ValueError as e:
+            self.async_engine.abort_stream(stream)
+            raise APIError(400, str(e), param=param, code="invalid_prompt") from None
+        except EngineError as e:
+            self.async_engine.abort_stream(stream)
+            raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
+        except BaseException:
+            self.async_engine.abort_stream(stream)
+            raise
+        return stream, ids
+
+    async def collect(self, request: Request, stream: OutputStream) -> dict[str, RequestOutput]:
+        """Wait for the final outputs; abort everything if the client disconnects first."""
+        final: dict[str, RequestOutput] = {}
+
+        async def consume() -> None:
+            async for out in stream:
+                if out.finished:
+                    final[out.request_id] = out
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if consumer in done:
+                try:
+                    consumer.result()
+                except EngineError as e:
+                    raise APIError(500, str(e), type="server_error", code="engine_error") from None
+                return final
+            raise _ClientGone()
+        finally:
+            watcher.cancel()
+            consumer.cancel()
+            self.async_engine.abort_stream(stream)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# -- prompt sources -------------------------------------------------------------------------------
+
+
+def _completion_prompts(srv: _Server, prompt: str | list[str] | list[int] | list[list[int]]
+                        ) -> tuple[list[str], list[PromptSource]]:
+    """(texts for echo, prompt sources). Strings are tokenized on the engine thread."""
+    items: list[str | list[int]]
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif not prompt:
+        raise APIError(400, "prompt is empty", param="prompt")
+    elif all(isinstance(p, int) for p in prompt):
+        items = [prompt]  # type: ignore[list-item]
+    else:
+        items = list(prompt)  # type: ignore[arg-type]
+    if len(items) > srv.limits.max_prompts:
+        raise APIError(400, f"{len(items)} prompts in one request; the limit is {srv.limits.max_prompts}",
+                       param="prompt")
+    texts, sources = [], []
+    for item in items:
+        if isinstance(item, str):
+            texts.append(item)
+            sources.append(_text_prompt(srv, item, True, "prompt"))
+        else:
+            texts.append("")
+            sources.append(_ids_prompt(srv, list(item)))
+    return texts, sources
+
+
+def _text_prompt(srv: _Server, text: str, add_special_tokens: bool, param: str) -> PromptSource:
+    def prepare(engine: LLMEngine) -> PromptType:
+        ids = engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        srv.prompt_checker(ids, param)
+        return {"prompt_token_ids": ids}
+
+    return prepare
+
+
+def _ids_prompt(srv: _Server, ids: list[int]) -> PromptSource:
+    def prepare(engine: LLMEngine) -> PromptType:
+        srv.prompt_checker(ids, "prompt")
+        return {"prompt_token_ids": ids}
+
+    return prepare
+
+
+def _chat_prompt(srv: _Server, messages: list[dict[str, Any]], add_generation_prompt: bool) -> PromptSource:
+    def prepare(engine: LLMEngine) -> PromptType:
+        tok = engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat_template; use /v1/completions")
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception) are bad input
+            raise ValueError(f"the chat template rejected these messages: {e}") from None
+        ids = tok.encode(text, add_special_tokens=False)
+        srv.prompt_checker(ids, "messages")
+        return {"prompt_token_ids": ids}
+
+    return prepare
