@@ -71,6 +71,11 @@ class LLMEngine:
             prof = runner.memory_profile
             assert prof is not None
             measured = kv_budget(prof, config.gpu_memory_utilization)
+            if cache.initial_num_kv_blocks is not None:
+                # growing reallocates: the old and the new pool are briefly both on the GPU
+                measured //= 2
+                logger.info("elastic KV pool on a profiled GPU budget: it grows to half the "
+                            "budget (a growth holds the old and the new pool at once)")
             logger.info(
                 "GPU memory: %.2f GiB free at start; weights %.2f GiB, activation peak %.2f GiB, "
                 "non-torch %.2f GiB, CUDA graphs %.2f GiB -> KV budget %.2f GiB "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +65,9 @@ class KVMemoryController:
     """
 
     def __init__(self, engine: Any) -> None:
-        self.engine = engine
+        # a proxy, not a reference: the engine owns this controller, and a cycle would keep a
+        # dropped engine's KV pool (GPU memory) alive until the next full gc pass
+        self.engine = weakref.proxy(engine)
         self.cache = engine.config.cache
         self.initial = engine.kv.num_blocks
         self.steps = 0

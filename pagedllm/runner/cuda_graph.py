@@ -75,6 +75,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # G -> hidden [G, hidden] (graph-owned)
         self.pool: object | None = None
+        self._stream: torch.cuda.Stream | None = None  # side stream for every capture
         self.generation = -1
         self.replays = 0  # decode steps served from the graphs (for tests and logs)
 
@@ -116,7 +117,9 @@ class DecodeGraphs:
         if not self.capture:
             return
         self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.inference_mode(), torch.cuda.stream(stream):
             for g in reversed(self.sizes):

@@ -23,6 +23,7 @@ estimated by a second profiling step at the largest captured decode batch.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -90,6 +91,7 @@ class MemoryProfiler:
                              "kv_cache_memory or num_kv_blocks")
         self.device = device
         self._free0 = self._total = self._used0 = self._reserved0 = self._weights = 0
+        self._allocated0 = 0
         self._base = 0
         self._peaks: dict[str, int] = {}
 
@@ -98,15 +100,20 @@ class MemoryProfiler:
         return total - free
 
     def start(self) -> None:
+        """Before the weights load. Counters are process-wide: an earlier engine in this process
+        (a dropped one that only the garbage collector can free, or a live one) must not count
+        as this one's weights, so collect first and measure everything as growth from here."""
+        gc.collect()
         torch.cuda.init()
         torch.cuda.empty_cache()
         self._free0, self._total = torch.cuda.mem_get_info(self.device)
         self._used0 = self._total - self._free0
         self._reserved0 = torch.cuda.memory_reserved(self.device)
+        self._allocated0 = torch.cuda.memory_allocated(self.device)
 
     def weights_loaded(self) -> None:
         torch.cuda.synchronize(self.device)
-        self._weights = torch.cuda.memory_allocated(self.device)
+        self._weights = torch.cuda.memory_allocated(self.device) - self._allocated0
 
     def step(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -33,6 +33,7 @@ from pagedllm.scheduler import ScheduledRequest, SchedulerOutput
 logger = init_logger(__name__)
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily
+PROMPT_LOGPROBS_ROWS = 512  # prompt logprobs are computed this many rows at a time
 
 
 @dataclass
@@ -128,7 +129,7 @@ class ModelRunner:
         if self.use_cuda_graphs:
             try:
                 self.enable_decode_graphs()
-            except RuntimeError as e:  # a CUDA or Triton error while recording: serve eagerly
+            except Exception as e:  # CUDA or Triton (compile, resources) error: serve eagerly
                 self.graphs = None
                 logger.warning("CUDA graph capture failed, decode steps run eagerly "
                                "(--enforce-eager skips the attempt): %s", e)
@@ -263,21 +264,30 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_cache.layers, meta)
 
     def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor, row0: int) -> PromptLogprobsChunk:
-        """Row at position p predicts prompt token p+1, for p < num_prompt_tokens - 1."""
+        """Row at position p predicts prompt token p+1, for p < num_prompt_tokens - 1.
+
+        In slices of ``PROMPT_LOGPROBS_ROWS`` rows: a whole chunk at once would hold several
+        [rows, vocab] fp32 tensors (GiBs for a large vocabulary) that no memory profile counts."""
         req = s.request
         end = min(s.end, req.num_prompt_tokens - 1)
-        n = end - s.start
-        logits = self.model.compute_logits(hidden[row0 : row0 + n])  # [n, V]
-        logprobs = logits.float().log_softmax(-1)
-        targets = self.uploader.tensor(req.prompt_token_ids[s.start + 1 : end + 1], torch.long)
-        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
-        ranks = (logprobs > chosen.unsqueeze(1)).sum(-1) + 1
         k = req.params.prompt_logprobs or 0
-        topk: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-        if k > 0:
-            v, ix = logprobs.topk(k, dim=-1)
-            topk = [list(zip(a, b)) for a, b in zip(ix.tolist(), v.tolist())]
-        return PromptLogprobsChunk(s.start + 1, chosen.tolist(), ranks.tolist(), topk)
+        chosen: list[float] = []
+        ranks: list[int] = []
+        topk: list[list[tuple[int, float]]] = []
+        for a in range(s.start, end, PROMPT_LOGPROBS_ROWS):
+            b = min(a + PROMPT_LOGPROBS_ROWS, end)
+            rows = hidden[row0 + a - s.start : row0 + b - s.start]
+            logprobs = self.model.compute_logits(rows).float().log_softmax(-1)  # [rows, V]
+            targets = self.uploader.tensor(req.prompt_token_ids[a + 1 : b + 1], torch.long)
+            c = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+            chosen += c.tolist()
+            ranks += ((logprobs > c.unsqueeze(1)).sum(-1) + 1).tolist()
+            if k > 0:
+                v, ix = logprobs.topk(k, dim=-1)
+                topk += [list(zip(t, p)) for t, p in zip(ix.tolist(), v.tolist())]
+            else:
+                topk += [[] for _ in range(b - a)]
+        return PromptLogprobsChunk(s.start + 1, chosen, ranks, topk)
 
     def release(self, request_ids: list[str]) -> None:
         """Forget per-request state (seeded generators, penalty counts) of finished requests."""

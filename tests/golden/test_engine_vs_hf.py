@@ -92,9 +92,14 @@ def test_greedy_matches_hf_under_preemption(tiny_models: dict[str, Path], arch: 
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
-def test_prompt_logprobs_match_hf(tiny_models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("slice_rows", [512, 7])  # 7: each chunk's logprobs in several slices
+def test_prompt_logprobs_match_hf(tiny_models: dict[str, Path], slice_rows: int,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoModelForCausalLM
 
+    from pagedllm.runner import model_runner
+
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_ROWS", slice_rows)
     path = tiny_models["llama"]
     prompts = _prompts(seed=3)[2:7]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -89,6 +89,21 @@ def test_pool_is_sized_from_gpu_memory_utilization(tiny_models: dict[str, Path])
         LLM(model=str(tiny_models["llama"]), device="cuda", gpu_memory_utilization=1e-6)
 
 
+def test_elastic_pool_on_a_profiled_budget_grows_to_half_of_it(tiny_models: dict[str, Path]) -> None:
+    from pagedllm.runner.memory import kv_budget
+
+    llm = LLM(model=str(tiny_models["llama"]), device="cuda", gpu_memory_utilization=0.05,
+              initial_num_kv_blocks=16, grow_chunk=16, max_model_len=256)
+    p = llm.engine.runner.memory_profile
+    assert p is not None
+    plan = llm.engine.kv_plan
+    assert plan.nbytes <= kv_budget(p, 0.05) // 2 and llm.engine.kv.num_blocks == 16
+    want = _tokens(LLM(model=str(tiny_models["llama"]), device="cuda", num_kv_blocks=512,
+                       max_model_len=256))
+    assert _tokens(llm) == want  # it grew (and the graphs followed the new storage)
+    assert llm.engine.memory.num_grows > 0
+
+
 def test_swap_preemption_through_pinned_host_memory(tiny_models: dict[str, Path]) -> None:
     kw = dict(model=str(tiny_models["llama"]), device="cuda", max_model_len=256, block_size=16)
     want = _tokens(LLM(num_kv_blocks=256, **kw))
