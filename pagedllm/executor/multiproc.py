@@ -127,6 +127,8 @@ def describe_exit(code: int) -> str:
 class MultiprocExecutor(Executor):
     """Rank 0 of the tensor-parallel group (see the module docstring)."""
 
+    tp: TPGroup  # always set here (ModelRunner's is optional)
+
     def __init__(self, config: EngineConfig, num_blocks: int) -> None:
         par = config.parallel
         m = config.model

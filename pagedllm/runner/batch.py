@@ -65,7 +65,10 @@ def build_host_batch(
     q_start = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(q_lens, out=q_start[1:])
     num_tokens = int(q_start[-1])
-    ids = np.fromiter((t for x in token_ids for t in x), dtype=np.int64, count=num_tokens)
+    flat: list[int] = []
+    for x in token_ids:  # list.extend per request, not a Python step per token
+        flat.extend(x)
+    ids = np.asarray(flat, dtype=np.int64)
     # positions = arange(T) - (q_start_i - start_i) for the request owning each row
     req_idx = np.repeat(np.arange(n), q_lens)
     positions = np.arange(num_tokens, dtype=np.int64) - (q_start[:-1] - st)[req_idx]

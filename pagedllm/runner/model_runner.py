@@ -67,7 +67,7 @@ class ModelRunner:
         and wait for ``init_kv_cache``. ``tp``: this rank's tensor-parallel group; the model and
         KV cache hold its heads only."""
         self.config = config
-        self.tp_group = tp
+        self.tp = tp
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(
@@ -110,12 +110,12 @@ class ModelRunner:
     def use_cuda_graphs(self) -> bool:
         """Decode steps replay CUDA graphs: on CUDA, without enforce_eager, one rank, and with a
         backend that keeps its decode path free of host data (``supports_cuda_graphs``)."""
-        return (self.device.type == "cuda" and not self.config.enforce_eager and self.tp_group is None
+        return (self.device.type == "cuda" and not self.config.enforce_eager and self.tp is None
                 and self.backend.supports_cuda_graphs)
 
     def new_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> KVCache:
         c = self.config.cache
-        return KVCache(local_kv_model(self.config.model, self.tp_group), num_blocks, self.block_size,
+        return KVCache(local_kv_model(self.config.model, self.tp), num_blocks, self.block_size,
                        str(self.device), num_host_blocks, c.k_cache_dtype, c.v_cache_dtype)
 
     def init_kv_cache(self, num_blocks: int) -> None:
@@ -125,7 +125,7 @@ class ModelRunner:
         self.kv_cache = self.new_kv_cache(num_blocks, host)
         if self.device.type == "cuda" and not self.use_cuda_graphs and not self.config.enforce_eager:
             logger.info("CUDA graphs off: attention backend %r does not support them%s",
-                        self.backend.name, " (tensor parallel)" if self.tp_group is not None else "")
+                        self.backend.name, " (tensor parallel)" if self.tp is not None else "")
         if self.use_cuda_graphs:
             try:
                 self.enable_decode_graphs()

@@ -77,6 +77,19 @@ def check_cache(k_cache: KVCacheTensor, v_cache: KVCacheTensor) -> CacheArgs:
                      ks is not None, vs is not None)
 
 
+def check_attention_call(q: torch.Tensor, k_cache: KVCacheTensor, v_cache: KVCacheTensor,
+                         out: torch.Tensor, reqs: torch.Tensor,
+                         block_tables: torch.Tensor) -> CacheArgs:
+    """What the decode and prefill wrappers both check: q/out [T, Hq, D] with D contiguous, the
+    caches' layout (``check_cache``), Hq a multiple of Hkv, int32 request indices and tables."""
+    c = check_cache(k_cache, v_cache)
+    _, num_heads, head_dim = q.shape
+    assert num_heads % k_cache.shape[2] == 0 and k_cache.shape[3] == head_dim
+    assert q.stride(2) == 1 and out.stride(2) == 1 and out.shape == q.shape
+    assert reqs.dtype == torch.int32 and block_tables.dtype == torch.int32
+    return c
+
+
 def _data(cache: KVCacheTensor) -> torch.Tensor:
     return cache.data if isinstance(cache, QuantizedKV) else cache
 

@@ -26,7 +26,12 @@ import triton
 import triton.language as tl
 
 from pagedllm.attention.quant import KVCacheTensor
-from pagedllm.attention.triton.common import check_cache, dot_config, load_kv_tile, next_pow2
+from pagedllm.attention.triton.common import (
+    check_attention_call,
+    dot_config,
+    load_kv_tile,
+    next_pow2,
+)
 
 
 @triton.jit
@@ -219,13 +224,10 @@ def decode_attention(
     q/out [T, Hq, D], caches [num_blocks, block_size, Hkv, D], metadata as in AttentionMetadata;
     ``max_seq_len`` bounds the decode requests' seq_lens (it sizes the split-K grid).
     """
-    c = check_cache(k_cache, v_cache)
+    c = check_attention_call(q, k_cache, v_cache, out, reqs, block_tables)
     num_rows = reqs.shape[0]
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
-    assert q.stride(2) == 1 and out.stride(2) == 1 and out.shape == q.shape
-    assert reqs.dtype == torch.int32 and block_tables.dtype == torch.int32
     if num_rows == 0:
         return
     group = num_heads // num_kv_heads
