@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.attention import AttentionMetadata, get_backend
+from pagedllm.attention import AttentionBackend, AttentionMetadata, get_backend
 from pagedllm.attention.cpu import CpuBackend
 from pagedllm.attention.torch_ref import TorchRefBackend
 
@@ -49,6 +49,44 @@ def make_batch(
     return meta, num_blocks
 
 
+def compare_with_torch_ref(
+    backend: AttentionBackend,
+    reqs: list[tuple[int, int]],
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    sliding_window: int | None,
+    seed: int = 0,
+    device: str = "cpu",
+    tol: dict[torch.dtype, float] | None = None,
+) -> None:
+    """Same random paged batch through torch_ref (on CPU) and ``backend`` (on ``device``): same
+    output within ``tol``, same caches after the write."""
+    gen = torch.Generator().manual_seed(seed)
+    meta, num_blocks = make_batch(reqs, block_size, gen)
+    t = meta.num_tokens
+    # q/k/v as slices of one fused projection, like the model's (non-contiguous rows).
+    qkv = torch.randn(t, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    # Cached context (and stale data in unused slots) is random too.
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    kc = torch.randn(shape, generator=gen).to(dtype)
+    vc = torch.randn(shape, generator=gen).to(dtype)
+    kc2, vc2 = kc.to(device, copy=True), vc.to(device, copy=True)
+    scale = head_dim**-0.5
+    ref = TorchRefBackend().forward(q, k, v, kc, vc, meta, scale, sliding_window)
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        setattr(meta, name, getattr(meta, name).to(device))
+    out = backend.forward(q.to(device), k.to(device), v.to(device), kc2, vc2, meta, scale,
+                          sliding_window).cpu()
+    assert out.dtype == dtype and out.shape == q.shape
+    atol = (tol or TOL)[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=atol)
+    assert torch.equal(kc, kc2.cpu()) and torch.equal(vc, vc2.cpu())
+
+
 def run_both(
     reqs: list[tuple[int, int]],
     block_size: int,
@@ -60,22 +98,8 @@ def run_both(
     seed: int = 0,
     cpu: CpuBackend | None = None,
 ) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    meta, num_blocks = make_batch(reqs, block_size, gen)
-    t = meta.num_tokens
-    q = torch.randn(t, num_heads, head_dim, generator=gen).to(dtype)
-    k = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(dtype)
-    # Cached context (and stale data in unused slots) is random too.
-    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    vc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    kc2, vc2 = kc.clone(), vc.clone()
-    scale = head_dim**-0.5
-    ref = TorchRefBackend().forward(q, k, v, kc, vc, meta, scale, sliding_window)
-    out = (cpu or CpuBackend()).forward(q, k, v, kc2, vc2, meta, scale, sliding_window)
-    assert out.dtype == dtype and out.shape == q.shape
-    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    compare_with_torch_ref(cpu or CpuBackend(), reqs, block_size, num_heads, num_kv_heads,
+                           head_dim, dtype, sliding_window, seed)
 
 
 HEADS = [(4, 4), (4, 2), (8, 2), (16, 2), (8, 1)]  # GQA ratios 1, 2, 4, 8; MQA

@@ -24,10 +24,15 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'page
 from aot_compile import compile_kernels  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_backends import HEADS, TOL, assert_slots_hold, make_batch  # noqa: E402
+from test_backends import (  # noqa: E402
+    HEADS,
+    TOL,
+    assert_slots_hold,
+    compare_with_torch_ref,
+    make_batch,
+)
 
 from pagedllm.attention import get_backend, registry  # noqa: E402
-from pagedllm.attention.torch_ref import TorchRefBackend  # noqa: E402
 from pagedllm.attention.triton import TritonBackend, common  # noqa: E402
 from pagedllm.attention.triton.decode import DecodeSplits, decode_tile_n  # noqa: E402
 from pagedllm.attention.triton.kv_write import write_kv  # noqa: E402
@@ -56,36 +61,11 @@ def run_both(
     min_split_len: int | None = None,
 ) -> None:
     """Same random paged batch through torch_ref and triton: same output, same caches."""
-    gen = torch.Generator().manual_seed(seed)
-    meta, num_blocks = make_batch(reqs, block_size, gen)
-    t = meta.num_tokens
-    # q/k/v as slices of one fused projection, like the model's (non-contiguous rows).
-    qkv = torch.randn(t, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
-    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    kc = torch.randn(shape, generator=gen).to(dtype)
-    vc = torch.randn(shape, generator=gen).to(dtype)
-    kc2, vc2 = kc.clone(), vc.clone()
-    scale = head_dim**-0.5
-    ref = TorchRefBackend().forward(q, k, v, kc, vc, meta, scale, sliding_window)
-
     backend = TritonBackend()
     if min_split_len is not None:
         backend.decode_min_split_len = min_split_len
-    dev = torch.device(DEVICE)
-    meta.slot_mapping, meta.query_start_loc = (
-        meta.slot_mapping.to(dev),
-        meta.query_start_loc.to(dev),
-    )
-    meta.seq_lens, meta.block_tables = meta.seq_lens.to(dev), meta.block_tables.to(dev)
-    kc2, vc2 = kc2.to(dev), vc2.to(dev)
-    out = backend.forward(
-        q.to(dev), k.to(dev), v.to(dev), kc2, vc2, meta, scale, sliding_window
-    ).cpu()
-    assert out.dtype == dtype and out.shape == q.shape
-    tol = TRITON_TOL[dtype]
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
-    assert torch.equal(kc, kc2.cpu()) and torch.equal(vc, vc2.cpu())
+    compare_with_torch_ref(backend, reqs, block_size, num_heads, num_kv_heads, head_dim, dtype,
+                           sliding_window, seed, DEVICE, TRITON_TOL)
 
 
 # prefill from scratch, a chunk after cached context, decodes (one at position 0), long ones
