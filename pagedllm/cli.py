@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 from typing import Any
@@ -177,14 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
 
     # Subcommands that live beside their feature (server, bench) register themselves; each
-    # module exposes register(subparsers, add_engine_args) and imports heavy deps lazily.
-    for name in ("pagedllm.server.cli", "pagedllm.bench.cli"):
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name is not None and name.startswith(e.name):
-                continue  # that feature is not in this tree
-            raise
+    # module exposes register(subparsers, add_engine_args, engine_kwargs) and imports heavy deps
+    # lazily.
+    from pagedllm.bench import cli as bench_cli
+    from pagedllm.server import cli as server_cli
+
+    for module in (server_cli, bench_cli):
         module.register(sub, _add_engine_args, _engine_kwargs)
     parser.epilog = f"default model: {default_model_path()}"
     return parser

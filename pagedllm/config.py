@@ -196,10 +196,14 @@ class ModelConfig:
         )
 
     @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element at the model dtype."""
+        return 4 if self.dtype == "float32" else 2
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K+V per token over all layers at the model dtype."""
-        elem = 4 if self.dtype == "float32" else 2
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * self.dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -255,11 +259,18 @@ class CacheConfig:
     def kv_bytes_per_token(self, model: ModelConfig) -> int:
         """Bytes of K+V per token over all layers as stored: model-dtype elements for "auto",
         1-byte values plus a bf16 scale per KV head for a quantized K or V."""
-        elem = 4 if model.dtype == "float32" else 2
+        elem = model.dtype_bytes
         per_head = 0
         for name in (self.k_cache_dtype, self.v_cache_dtype):
             per_head += model.head_dim * elem if name == "auto" else model.head_dim + KV_SCALE_BYTES
         return model.num_hidden_layers * model.num_key_value_heads * per_head
+
+    def kv_bytes_per_block(self, model: ModelConfig) -> int:
+        return self.kv_bytes_per_token(model) * self.block_size
+
+    def num_host_blocks(self, model: ModelConfig) -> int:
+        """Blocks of the host (swap) tier: ``swap_space`` bytes of whole blocks."""
+        return self.swap_space // self.kv_bytes_per_block(model)
 
     def kv_dtype_label(self, model: ModelConfig) -> str:
         """'float32' or e.g. 'K float32 + V int8 (bf16 scales)' for logs and ``pagedllm plan``."""

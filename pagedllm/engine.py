@@ -24,7 +24,7 @@ from pagedllm.executor import make_executor
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.kv.plan import plan_kv_pool
 from pagedllm.kv.swap import PreemptionCost
-from pagedllm.kv_preheat import KVMemoryController
+from pagedllm.kv_preheat import KVMemoryController, kv_stats, load_prompts
 from pagedllm.logging_utils import init_logger
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.request import Logprob, PositionLogprobs, Request, RequestStatus
@@ -95,7 +95,7 @@ class LLMEngine:
         )
         start = min(config.cache.initial_num_kv_blocks or p.num_blocks, p.num_blocks)
         self.kv = KVCacheManager(start, p.block_size, config.cache.enable_prefix_caching,
-                                 num_host_blocks=config.cache.swap_space // p.bytes_per_block,
+                                 num_host_blocks=config.cache.num_host_blocks(config.model),
                                  contiguous_urgent=config.cache.contiguous_urgent)
         self.kv.set_max_num_blocks(p.num_blocks)  # an elastic pool grows up to the budget
         if config.cache.kv_trace_path is not None:
@@ -361,8 +361,6 @@ class LLMEngine:
         prompts known in advance) always hit, at the price of that many blocks taken from the
         pool for good (``kv.unpin_all()`` releases them). Returns the number of pinned blocks.
         """
-        from pagedllm.kv_preheat import load_prompts
-
         items = load_prompts(prompts) if isinstance(prompts, str) else list(prompts)
         if self.has_unfinished_requests():
             raise RuntimeError("preheat needs an idle engine")
@@ -387,8 +385,6 @@ class LLMEngine:
         return {"queries": st.queries, "hits": st.hits, "hit_rate": st.hit_rate}
 
     def kv_stats(self) -> dict[str, Any]:
-        from pagedllm.kv_preheat import kv_stats
-
         stats = kv_stats(self.scheduler, self.kv)
         c = self.config.cache
         stats["kv_bytes_per_token"] = c.kv_bytes_per_token(self.config.model)
@@ -404,7 +400,7 @@ def preemption_cost(config: EngineConfig, bytes_per_block: int) -> PreemptionCos
     q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
     per_layer = m.hidden_size * (2 * q + 2 * kv) + 3 * m.hidden_size * m.intermediate_size
     params = m.num_hidden_layers * per_layer + m.vocab_size * m.hidden_size
-    cuda = config.device.startswith("cuda")
+    cuda = config.is_cuda
     return PreemptionCost(2.0 * params, float(bytes_per_block), 5e13 if cuda else 5e10,
                           1.2e10 if cuda else 5e9)
 

@@ -30,27 +30,31 @@ def load_prompts(path: str) -> list[str | list[int]]:
     return out
 
 
+def kv_utilization(sched: Scheduler, kv: KVCacheManager) -> float:
+    """Live tokens / slots of the used blocks (1.0 = no internal fragmentation)."""
+    used = kv.pool.num_blocks - kv.pool.num_free_blocks
+    live = sum(r.num_computed_tokens for r in sched.requests.values() if kv.has_request(r.request_id))
+    return live / (used * kv.block_size) if used else 0.0
+
+
 def kv_stats(sched: Scheduler, kv: KVCacheManager) -> dict[str, Any]:
     pool = kv.pool
-    used = pool.num_blocks - pool.num_free_blocks
     cached = sum(1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)
-    live = sum(r.num_computed_tokens for r in sched.requests.values() if kv.has_request(r.request_id))
-    swap = getattr(kv, "swap_stats", {})
     return {
         "num_blocks": pool.num_blocks,
-        "used_blocks": used,
+        "used_blocks": pool.num_blocks - pool.num_free_blocks,
         "cached_blocks": cached,
         "free_blocks": pool.num_free_blocks,
         "pinned_blocks": kv.num_pinned_blocks,
-        "kv_utilization": live / (used * kv.block_size) if used else 0.0,
+        "kv_utilization": kv_utilization(sched, kv),
         "prefix_cache_queries": kv.stats.queries,
         "prefix_cache_hits": kv.stats.hits,
         "prefix_cache_hit_rate": kv.stats.hit_rate,
         "num_preemptions": sched.num_preemptions,
-        "preemptions_by_kind": dict(getattr(sched, "preemptions_by_kind", {})),
-        "swapped_out_blocks": swap.get("out", 0),
-        "swapped_in_blocks": swap.get("in", 0),
-        "num_swapped": getattr(sched, "num_swapped", 0),
+        "preemptions_by_kind": dict(sched.preemptions_by_kind),
+        "swapped_out_blocks": kv.swap_stats.get("out", 0),
+        "swapped_in_blocks": kv.swap_stats.get("in", 0),
+        "num_swapped": sched.num_swapped,
     }
 
 
@@ -99,7 +103,7 @@ class KVMemoryController:
         c, kv = self.cache, self.engine.kv
         due = bool(c.compact_every_n_steps) and self.steps % c.compact_every_n_steps == 0
         if c.compact_below_utilization is not None:
-            util = kv_stats(self.engine.scheduler, kv)["kv_utilization"]
+            util = kv_utilization(self.engine.scheduler, kv)  # not all of kv_stats: per step
             self.low_steps = self.low_steps + 1 if util < c.compact_below_utilization else 0
             if self.low_steps >= c.compact_window_steps:
                 due, self.low_steps = True, 0

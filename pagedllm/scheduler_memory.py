@@ -63,10 +63,6 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    @property
-    def has_block_moves(self) -> bool:
-        return bool(self.block_copies or self.swap_out or self.swap_in)
-
 
 class PreemptionMixin:
     """Mixed into ``Scheduler``; uses its queues and KV manager."""

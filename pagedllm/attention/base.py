@@ -25,6 +25,7 @@ load, and the model runner refuses a quantized cache with any other backend.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -96,3 +97,11 @@ def write_kv(
     quantizing into a ``QuantizedKV`` cache."""
     write_slots(k, k_cache, slot_mapping)
     write_slots(v, v_cache, slot_mapping)
+
+
+def to_device(data: Sequence[int] | Sequence[float], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """A small tensor of host values (indices, per-request parameters) on ``device``; on CUDA
+    through pinned memory with a non-blocking copy, so it does not wait for the stream."""
+    t = torch.tensor(data, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)

@@ -115,7 +115,7 @@ def run_tp(model: str, tp: int, num_prompts: int, prompt_len: int, max_tokens: i
                 k.control_seconds += stats.control_seconds - before["control_seconds"]
         wall = time.perf_counter() - t_start
         m = engine.config.model
-        elem = 4 if m.dtype == "float32" else 2
+        elem = m.dtype_bytes
         out_total = num_prompts * max_tokens
         prompt_total = num_prompts * prompt_len
         return TPResult(

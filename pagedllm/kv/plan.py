@@ -37,7 +37,7 @@ def plan_kv_pool(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig,
                  measured_budget: int | None = None) -> KVPoolPlan:
     """Blocks from ``num_kv_blocks``, else ``kv_cache_memory``, else ``measured_budget`` (bytes a
     GPU profile left for KV, runner/memory.py), else the default cap."""
-    per_block = cache.kv_bytes_per_token(model) * cache.block_size
+    per_block = cache.kv_bytes_per_block(model)
     blocks_per_req = -(-sched.max_model_len // cache.block_size)
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks

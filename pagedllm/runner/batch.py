@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention import AttentionMetadata
+from pagedllm.attention.base import to_device
 
 
 @dataclass
@@ -113,10 +114,7 @@ class Uploader:
 
     def tensor(self, data: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
         """A small tensor of per-request values (sampling parameters) on the device."""
-        t = torch.tensor(data, dtype=dtype)
-        if not self.cuda:
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return to_device(data, dtype, self.device)
 
     def metadata(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids [T], positions [T], AttentionMetadata) of a host batch."""

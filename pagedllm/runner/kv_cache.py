@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.attention.base import to_device
 from pagedllm.attention.quant import (
     QMAX,
     QUANT_DTYPES,
@@ -37,7 +38,7 @@ from pagedllm.attention.quant import (
     QuantizedKV,
     raw,
 )
-from pagedllm.config import CacheConfig, ModelConfig
+from pagedllm.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -46,19 +47,9 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def kv_bytes_per_block(model: ModelConfig, cache: CacheConfig) -> int:
-    return cache.kv_bytes_per_token(model) * cache.block_size
-
-
 def storage_dtype(kv_cache_dtype: str, model_dtype: str) -> torch.dtype:
     """The tensor dtype K or V is stored in: the model dtype for "auto", else int8 / fp8."""
     return torch_dtype(model_dtype) if kv_cache_dtype == "auto" else QUANT_DTYPES[kv_cache_dtype]
-
-
-def _index(ids: list[int], device: torch.device) -> torch.Tensor:
-    """Block ids as an index tensor; on CUDA from pinned memory, not waiting for the stream."""
-    t = torch.tensor(ids, dtype=torch.long)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 class KVCache:
@@ -126,7 +117,8 @@ class KVCache:
         """Device -> device: block dst := block src for every (src, dst)."""
         if pairs:
             src, dst = zip(*pairs)
-            src_i, dst_i = _index(list(src), self.device), _index(list(dst), self.device)
+            src_i = to_device(src, torch.long, self.device)
+            dst_i = to_device(dst, torch.long, self.device)
             for plane in map(raw, self.planes):
                 plane.index_copy_(2, dst_i, plane.index_select(2, src_i))
 
@@ -135,7 +127,7 @@ class KVCache:
         if pairs:
             assert self.host is not None, "swap_out without a host tier (swap_space=0)"
             dev, host = zip(*pairs)
-            dev_i, host_i = _index(list(dev), self.device), _index(list(host), torch.device("cpu"))
+            dev_i, host_i = to_device(dev, torch.long, self.device), torch.tensor(host, dtype=torch.long)
             for plane, host_plane in zip(self.planes, self.host, strict=True):
                 data = raw(plane).index_select(2, dev_i).to("cpu")
                 raw(host_plane).index_copy_(2, host_i, data)
@@ -145,7 +137,7 @@ class KVCache:
         if pairs:
             assert self.host is not None, "swap_in without a host tier (swap_space=0)"
             host, dev = zip(*pairs)
-            dev_i, host_i = _index(list(dev), self.device), _index(list(host), torch.device("cpu"))
+            dev_i, host_i = to_device(dev, torch.long, self.device), torch.tensor(host, dtype=torch.long)
             for plane, host_plane in zip(self.planes, self.host, strict=True):
                 data = raw(host_plane).index_select(2, host_i)
                 data = data.to(self.device, non_blocking=host_plane.is_pinned())

@@ -25,7 +25,7 @@ from pagedllm.logging_utils import init_logger
 from pagedllm.models.loader import load_model
 from pagedllm.runner.batch import HostBatch, Uploader, build_host_batch, fetch
 from pagedllm.runner.cuda_graph import DecodeGraphs
-from pagedllm.runner.kv_cache import KVCache, kv_bytes_per_block
+from pagedllm.runner.kv_cache import KVCache
 from pagedllm.runner.memory import MemoryProfile, MemoryProfiler, profile_memory
 from pagedllm.runner.penalties import PenaltyCounts
 from pagedllm.scheduler import ScheduledRequest, SchedulerOutput
@@ -121,7 +121,7 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV pool (and host tier); capture the decode CUDA graphs over it."""
         cache = self.config.cache
-        host = cache.swap_space // kv_bytes_per_block(self.config.model, cache)
+        host = cache.num_host_blocks(self.config.model)
         self.kv_cache = self.new_kv_cache(num_blocks, host)
         if self.device.type == "cuda" and not self.use_cuda_graphs and not self.config.enforce_eager:
             logger.info("CUDA graphs off: attention backend %r does not support them%s",

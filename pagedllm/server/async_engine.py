@@ -177,11 +177,6 @@ class AsyncEngine:
         self._commands.put(_Call(fn, fut))
         return fut.result(timeout)
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.put(_Call(fn, fut))
-        return await asyncio.wrap_future(fut)
-
     # -- the engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -251,7 +246,8 @@ class AsyncEngine:
         else:
             try:
                 prompt = cmd.prompt(self.engine) if callable(cmd.prompt) else cmd.prompt
-                self.engine.add_request(cmd.request_id, prompt, cmd.params, priority=cmd.priority)
+                self.engine.add_request(cmd.request_id, prompt, cmd.params, priority=cmd.priority,
+                                        arrival_time=cmd.arrival)
             except Exception as e:  # noqa: BLE001 - ValueError = bad request, else a server error
                 error = e
         if error is None:
@@ -306,7 +302,7 @@ class AsyncEngine:
         self._streams.clear()
         self._deliver(items)
         # Requests the engine still holds without a stream (should not happen) are freed too.
-        for rid in list(getattr(self.engine, "groups", {})):
+        for rid in list(self.engine.groups):
             try:
                 self.engine.abort_request(rid)
             except Exception:  # noqa: BLE001

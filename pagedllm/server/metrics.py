@@ -54,7 +54,7 @@ class _EngineStateCollector(Collector):
         yield gauge("pagedllm:num_requests_running", "Sequences in the running batch.", sched.num_running)
         yield gauge("pagedllm:num_requests_waiting", "Sequences waiting to be scheduled.", sched.num_waiting)
         yield gauge("pagedllm:num_requests_swapped", "Sequences swapped out to the host tier.",
-                    getattr(sched, "num_swapped", 0))
+                    sched.num_swapped)
         yield gauge("pagedllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", e.kv.usage)
         yield counter("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       e.kv.stats.queries)

@@ -177,12 +177,12 @@ def _snapshot(cache) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("kv", [("int8", "int8"), ("auto", "int8"), ("fp8_e4m3", "auto"),
                                 ("fp8_e5m2", "int8")])
 def test_kv_cache_moves_quantized_blocks_bit_exactly(kv: tuple[str, str]) -> None:
-    from pagedllm.runner.kv_cache import KVCache, kv_bytes_per_block
+    from pagedllm.runner.kv_cache import KVCache
 
     m = _model()
     cache = KVCache(m, 6, 4, "cpu", num_host_blocks=4, k_cache_dtype=kv[0], v_cache_dtype=kv[1])
     cfg = CacheConfig(block_size=4, k_cache_dtype=kv[0], v_cache_dtype=kv[1])
-    assert cache.nbytes == 6 * kv_bytes_per_block(m, cfg)  # sizing counts exactly what is stored
+    assert cache.nbytes == 6 * cfg.kv_bytes_per_block(m)  # sizing counts exactly what is stored
     for i, (kc, vc) in enumerate(cache.layers):
         assert isinstance(kc, QuantizedKV) == (kv[0] != "auto")
         assert isinstance(vc, QuantizedKV) == (kv[1] != "auto")

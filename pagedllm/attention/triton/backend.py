@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedllm.attention.base import AttentionBackend, AttentionMetadata
+from pagedllm.attention.base import AttentionBackend, AttentionMetadata, to_device
 from pagedllm.attention.quant import KVCacheTensor
 from pagedllm.attention.triton import common
 from pagedllm.attention.triton.decode import decode_attention
@@ -133,18 +133,11 @@ class TritonBackend(AttentionBackend):
                 elif n > 1:
                     prefill.append(i)
             plan = _StepPlan(
-                decode_reqs=_to_device(decode, device),
+                decode_reqs=to_device(decode, torch.int32, device),
                 decode_max_seq_len=max((seq_lens[i] for i in decode), default=0),
-                prefill_reqs=_to_device(prefill, device),
+                prefill_reqs=to_device(prefill, torch.int32, device),
                 prefill_max_query_len=max((qsl[i + 1] - qsl[i] for i in prefill), default=0),
             )
         self._plan_meta, self._plan = meta, plan
         return plan
 
-
-def _to_device(ids: list[int], device: torch.device) -> torch.Tensor:
-    """int32 index tensor; on CUDA from pinned memory without waiting for the stream."""
-    t = torch.tensor(ids, dtype=torch.int32)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
