@@ -53,6 +53,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text = ""
         self.stopped_by: str | None = None
+        self._held: tuple[int, int] = (0, 0)  # (len(text), holdback) when last computed
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special))
@@ -84,17 +85,21 @@ class IncrementalDetokenizer:
                 return
 
     def holdback(self) -> int:
-        """Characters a streaming client should not see yet: they may begin a stop string."""
-        if not self.stop or self.stopped_by is not None:
-            return 0
-        keep = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:k]):
-                    keep = max(keep, k)
-                    break
-        return keep
+        """Characters a streaming client should not see yet: they may begin a stop string.
 
+        Called every step for every streaming sequence: computed once per new text, and only
+        prefixes ending in the text's last character are compared."""
+        if not self.stop or self.stopped_by is not None or not self.text:
+            return 0
+        if self._held[0] != len(self.text):
+            last, keep = self.text[-1], 0
+            for s in self.stop:
+                for k in range(min(len(s) - 1, len(self.text)), keep, -1):
+                    if s[k - 1] == last and self.text.endswith(s[:k]):
+                        keep = k
+                        break
+            self._held = (len(self.text), keep)
+        return self._held[1]
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> str:
     if not getattr(tokenizer, "chat_template", None):

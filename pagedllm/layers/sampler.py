@@ -103,12 +103,17 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
             race[row].exponential_(generator=gen)
         ids = torch.where(greedy_rows, greedy_ids, (probs / race).argmax(-1))
 
-    out = SamplerOutput(token_ids=ids)
-    if raw_logprobs is not None:
-        chosen = raw_logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)
-        out.logprobs = chosen
-        out.ranks = (raw_logprobs > chosen.unsqueeze(1)).sum(-1) + 1
-        k = md.max_num_logprobs or 0
-        if k > 0:
-            out.topk_logprobs, out.topk_ids = raw_logprobs.topk(k, dim=-1)
+    if raw_logprobs is None:
+        return SamplerOutput(token_ids=ids)
+    return logprob_stats(raw_logprobs, ids, md.max_num_logprobs or 0)
+
+
+def logprob_stats(logprobs: torch.Tensor, ids: torch.Tensor, k: int) -> SamplerOutput:
+    """For rows of ``logprobs`` [N, V] and chosen ``ids`` [N]: each chosen token's logprob, its
+    rank (1 = best) and, for k > 0, the top k (ids, logprobs). Also used for prompt logprobs."""
+    chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)
+    out = SamplerOutput(token_ids=ids, logprobs=chosen,
+                        ranks=(logprobs > chosen.unsqueeze(1)).sum(-1) + 1)
+    if k > 0:
+        out.topk_logprobs, out.topk_ids = logprobs.topk(k, dim=-1)
     return out

@@ -157,7 +157,7 @@ def profile_run(runner: ModelRunner, num_tokens: int, num_reqs: int) -> None:
     b, dev, vocab = num_reqs, runner.device, runner.vocab_size
     with torch.inference_mode():
         ids, pos, meta = runner.uploader.metadata(hb)
-        hidden = runner.model(ids, pos, kv.layers, meta)
+        hidden = runner.run_forward(ids, pos, kv, meta)
         last = runner.uploader.upload([hb.q_start[1:] - 1])[0]
         logits = runner.model.compute_logits(hidden[last])
         md = SamplingMetadata(

@@ -20,7 +20,7 @@ import torch
 from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import TPGroup, local_kv_model
-from pagedllm.layers.sampler import SamplingMetadata, sample
+from pagedllm.layers.sampler import SamplingMetadata, logprob_stats, sample
 from pagedllm.logging_utils import init_logger
 from pagedllm.models.loader import load_model
 from pagedllm.runner.batch import HostBatch, Uploader, build_host_batch, fetch
@@ -138,13 +138,14 @@ class ModelRunner:
         """Serve decode-only steps from static buffers, recorded as CUDA graphs (``capture``),
         or replayed eagerly (``capture=False``: the same padded path, testable on CPU)."""
         sc = self.config.scheduler
-        self.graphs = DecodeGraphs(self._forward, self.kv_cache, sc.max_num_seqs,
+        self.graphs = DecodeGraphs(self.run_forward, self.kv_cache, sc.max_num_seqs,
                                    sc.max_model_len, self.block_size, self.device, capture)
         self.graphs.capture_all()
         return self.graphs
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
-                 meta: AttentionMetadata) -> torch.Tensor:
+    def run_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                    meta: AttentionMetadata) -> torch.Tensor:
+        """The model over ``kv`` (the pool, or the profiler's throw-away cache): hidden [T, H]."""
         return self.model(input_ids, positions, kv.layers, meta)
 
     # -- batch preparation --------------------------------------------------------------------
@@ -261,7 +262,7 @@ class ModelRunner:
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
         """The forward of a prepared step (a tensor-parallel driver first sends it to its workers)."""
-        return self.model(input_ids, positions, self.kv_cache.layers, meta)
+        return self.run_forward(input_ids, positions, self.kv_cache, meta)
 
     def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor, row0: int) -> PromptLogprobsChunk:
         """Row at position p predicts prompt token p+1, for p < num_prompt_tokens - 1.
@@ -277,14 +278,15 @@ class ModelRunner:
         for a in range(s.start, end, PROMPT_LOGPROBS_ROWS):
             b = min(a + PROMPT_LOGPROBS_ROWS, end)
             rows = hidden[row0 + a - s.start : row0 + b - s.start]
-            logprobs = self.model.compute_logits(rows).float().log_softmax(-1)  # [rows, V]
+            logprobs = self.model.compute_logits(rows).log_softmax(-1)  # [rows, V] fp32
             targets = self.uploader.tensor(req.prompt_token_ids[a + 1 : b + 1], torch.long)
-            c = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+            st = logprob_stats(logprobs, targets, k)
+            c, r, tk_ids, tk_lps = fetch([st.logprobs, st.ranks, st.topk_ids, st.topk_logprobs])
+            assert c is not None and r is not None
             chosen += c.tolist()
-            ranks += ((logprobs > c.unsqueeze(1)).sum(-1) + 1).tolist()
-            if k > 0:
-                v, ix = logprobs.topk(k, dim=-1)
-                topk += [list(zip(t, p)) for t, p in zip(ix.tolist(), v.tolist())]
+            ranks += r.tolist()
+            if tk_ids is not None and tk_lps is not None:
+                topk += [list(zip(t, p)) for t, p in zip(tk_ids.tolist(), tk_lps.tolist())]
             else:
                 topk += [[] for _ in range(b - a)]
         return PromptLogprobsChunk(s.start + 1, chosen, ranks, topk)
