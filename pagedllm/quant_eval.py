@@ -116,13 +116,14 @@ def evaluate(
     from pagedllm.config import parse_memory
     from pagedllm.engine import build_engine_config
     from pagedllm.kv.plan import plan_kv_pool
+    from pagedllm.tokenizer import get_tokenizer
 
     configs = configs or CONFIGS
     kw: dict[str, Any] = dict(model=model, max_model_len=max(window_len, greedy_prompt_len) + greedy_tokens + 8,
                               attention_backend=attention_backend, enable_prefix_caching=False,
                               dtype=dtype)
-    probe = LLM(**kw)
-    tok = probe.get_tokenizer()
+    tok = get_tokenizer(build_engine_config(
+        **{k: v for k, v in kw.items() if k != "enable_prefix_caching"}).tokenizer)
     texts = [Path(text).read_text()] if text else heldout_texts()
     eos = tok.eos_token_id
     stream: list[int] = []
@@ -135,7 +136,6 @@ def evaluate(
     base = windows * window_len
     prompts = [stream[base + i * greedy_prompt_len: base + (i + 1) * greedy_prompt_len]
                for i in range(greedy)]
-    del probe
 
     rows: list[Row] = []
     ref: dict[str, Any] = {}
@@ -144,10 +144,9 @@ def evaluate(
         top1, lp = _teacher_forced(llm, wins)
         cont = _greedy(llm, prompts, greedy_tokens)
         if not ref:
-            ref = dict(top1=top1, lp=lp, cont=cont)
+            ref = dict(top1=top1, lp=lp, cont=cont, ppl=math.exp(-sum(lp) / len(lp)))
         agree = sum(a == b for a, b in zip(top1, ref["top1"], strict=True)) / len(top1)
         ppl = math.exp(-sum(lp) / len(lp))
-        ref_ppl = math.exp(-sum(ref["lp"]) / len(ref["lp"]))
         dlp = sum(abs(a - b) for a, b in zip(lp, ref["lp"], strict=True)) / len(lp)
         prefix = 0
         for c, r in zip(cont, ref["cont"], strict=True):
@@ -158,10 +157,10 @@ def evaluate(
                                   kv_cache_memory=parse_memory(budget))
         m = cfg.model
         per_token = cfg.cache.kv_bytes_per_token(m)
-        unit = 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim
+        unit = m.kv_bytes_per_token // m.dtype_bytes  # K+V elements per token
         plan = plan_kv_pool(m, cfg.cache, cfg.scheduler)
         rows.append(Row(
-            label, kd, vd, agree, ppl, 100 * (ppl / ref_ppl - 1), dlp,
+            label, kd, vd, agree, ppl, 100 * (ppl / ref["ppl"] - 1), dlp,
             prefix / (len(cont) * greedy_tokens), f"{same}/{len(cont)}", per_token,
             100 * (1 - per_token / (2 * unit)), 100 * (1 - per_token / (4 * unit)),
             plan.num_tokens,

@@ -160,6 +160,11 @@ class Scheduler(PreemptionMixin):
             return req.num_prompt_tokens - 1 - req.num_computed_tokens
         return req.num_tokens - req.num_computed_tokens
 
+    def _fork_if_due(self, req: Request) -> None:
+        """Fork ``req``'s pending n > 1 children once all but its prompt's last token is in."""
+        if req.request_id in self._forks and req.num_computed_tokens >= req.num_prompt_tokens - 1:
+            self._fork_children(req)
+
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -217,9 +222,8 @@ class Scheduler(PreemptionMixin):
             if req.params.prompt_logprobs is None and self.kv.enable_prefix_caching:
                 prefix = self.kv.find_prefix(req.token_ids, record_stats=False)
                 computed = prefix.num_tokens
-            forks = req.request_id in self._forks
-            n = (req.num_prompt_tokens - 1 if forks else req.num_tokens) - computed
-            if forks and n == 0:  # the hit covers the fork point: fork now, then run 1 token
+            n = self._wanted(req) - computed  # waiting requests have computed nothing
+            if n == 0:  # a parent whose hit covers the fork point: fork now, then run 1 token
                 n = 1
             if n > budget and not chunked:
                 break
@@ -235,8 +239,7 @@ class Scheduler(PreemptionMixin):
             req.num_computed_tokens = computed
             req.status = RequestStatus.RUNNING
             self._insert_running(req)
-            if forks and computed == req.num_prompt_tokens - 1:
-                self._fork_children(req)
+            self._fork_if_due(req)
             out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
             budget -= n
 
@@ -262,9 +265,7 @@ class Scheduler(PreemptionMixin):
             if token is not None:
                 req.append_token(token)
             self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
-            if (req.request_id in self._forks
-                    and req.num_computed_tokens >= req.num_prompt_tokens - 1):
-                self._fork_children(req)
+            self._fork_if_due(req)
             if token is not None:
                 status = req.check_stop()
                 if status is not None:

@@ -51,7 +51,6 @@ class EngineBackend:
 
         base = ContiguousScheduler if policy == "contiguous" else Scheduler
         self.name = name
-        self.policy = policy
         self.engine = LLMEngine.from_args(scheduler_cls=recording(base), **engine_kwargs)
         self.device = str(engine_kwargs.get("device") or "cpu")
 

@@ -283,17 +283,10 @@ def register(subparsers: Any, add_engine_args: AddEngineArgs, engine_kwargs: Eng
     p = sub.add_parser("random-model", help="write a random-weight Llama checkpoint "
                        "(presets: 100m, 1b, tiny)")
 
-    def cmd_random_model(a: argparse.Namespace) -> int:
-        from pagedllm.bench.random_model import build_random_model
+    from pagedllm.bench import random_model
 
-        n = build_random_model(a.out, a.preset, a.tokenizer, a.seed, a.dtype, a.device)
-        print(f"wrote {a.out} ({n / 1e6:.1f}M parameters, random weights, preset {a.preset})")
-        return 0
-
-    from pagedllm.bench.random_model import add_args
-
-    add_args(p)
-    p.set_defaults(func=cmd_random_model)
+    random_model.add_args(p)
+    p.set_defaults(func=random_model.run)
 
     # -- KV quantization accuracy / capacity (flags: `pagedllm bench kv-quant --help`) -------------
     p = sub.add_parser("kv-quant",

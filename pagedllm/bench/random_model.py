@@ -111,13 +111,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="where the random init runs (cuda is much faster for 1b); saved from CPU")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(p)
-    a = p.parse_args(argv)
+def run(a: argparse.Namespace) -> int:
+    """The command for parsed ``add_args`` flags (``pagedllm bench random-model`` and ``main``)."""
     n = build_random_model(a.out, a.preset, a.tokenizer, a.seed, a.dtype, a.device)
     print(f"wrote {a.out} ({n / 1e6:.1f}M parameters, random weights, preset {a.preset})")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

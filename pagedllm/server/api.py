@@ -42,7 +42,6 @@ from pagedllm.server.responses import (
     _SSE_HEADERS,
     _chat_logprobs,
     _completion_logprobs,
-    _decoder,
     _stream_chat,
     _stream_completion,
     _usage,
@@ -138,14 +137,13 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
             raise APIError(400, "echo with logprobs is not supported", param="echo")
         params = srv.sampling_params(req, req.max_tokens, "max_tokens", req.logprobs, "logprobs")
         texts, prompts = _completion_prompts(srv, req.prompt)
-        stream, ids = await srv.submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, req.priority, "prompt")
-        rid = ids[0].rsplit("-", 1)[0]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        stream, ids = await srv.submit(rid, prompts, params, req.priority, "prompt")
         index_of = {r: i for i, r in enumerate(ids)}
-        decode = _decoder(engine)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             gen = _stream_completion(srv, stream, rid, index_of, req.n, texts if req.echo else None,
-                                     req.logprobs, include_usage, decode)
+                                     req.logprobs, include_usage)
             return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
             final = await srv.collect(request, stream)
@@ -159,7 +157,7 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
                 completion_tokens += len(c.token_ids)
                 lp = None
                 if req.logprobs is not None:
-                    lp = _completion_logprobs(c, 0, len(c.token_ids), req.logprobs, 0, decode)
+                    lp = _completion_logprobs(c, 0, len(c.token_ids), req.logprobs, 0)
                 text = (texts[p] if req.echo else "") + c.text
                 choices.append(CompletionChoice(index=p * req.n + c.index, text=text, logprobs=lp,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
@@ -188,13 +186,11 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         prompt = _chat_prompt(srv, messages, req.add_generation_prompt)
-        stream, ids = await srv.submit(f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, req.priority,
-                                       "messages")
-        rid = ids[0].rsplit("-", 1)[0]
-        decode = _decoder(engine)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream, ids = await srv.submit(rid, [prompt], params, req.priority, "messages")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen = _stream_chat(srv, stream, rid, req.n, k, include_usage, decode)
+            gen = _stream_chat(srv, stream, rid, req.n, k, include_usage)
             return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
             final = await srv.collect(request, stream)
@@ -203,7 +199,7 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
         out = final[ids[0]]
         choices = []
         for c in out.outputs:
-            lp = _chat_logprobs(c, 0, len(c.token_ids), k, decode) if k is not None else None
+            lp = _chat_logprobs(c, 0, len(c.token_ids), k) if k is not None else None
             choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=lp,
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         usage = _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))

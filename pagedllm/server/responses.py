@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel
 
-from pagedllm.engine import LLMEngine
 from pagedllm.outputs import CompletionOutput
 from pagedllm.server.async_engine import EngineError, OutputStream
 from pagedllm.server.protocol import (
@@ -45,39 +44,45 @@ def _lp(v: float) -> float:
     return v if v == v and v > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
-def _ranked(pos: dict[int, Any], k: int) -> list[Any]:
-    return sorted((x for x in pos.values() if x.rank is not None and x.rank <= k), key=lambda x: x.rank)
+def _ranked(pos: dict[int, Any], k: int) -> list[tuple[int, Any]]:
+    """The (token id, Logprob) pairs of rank 1..k, best first."""
+    return sorted(((t, x) for t, x in pos.items() if x.rank is not None and x.rank <= k),
+                  key=lambda i: i[1].rank)
 
 
-def _completion_logprobs(c: CompletionOutput, start: int, end: int, k: int, offset: int,
-                         decode: Callable[[int], str]) -> CompletionLogProbs | None:
+def _token_text(tid: int, x: Any) -> str:
+    """A Logprob's text (the engine always fills ``decoded_token``; a placeholder otherwise —
+    the tokenizer is only used on the engine thread)."""
+    return x.decoded_token if x is not None and x.decoded_token is not None else f"<token {tid}>"
+
+
+def _completion_logprobs(c: CompletionOutput, start: int, end: int, k: int,
+                         offset: int) -> CompletionLogProbs | None:
     if c.logprobs is None:
         return None
     out = CompletionLogProbs()
     for tid, pos in zip(c.token_ids[start:end], c.logprobs[start:end]):
         chosen = pos.get(tid)
-        tok = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else decode(tid)
+        tok = _token_text(tid, chosen)
         out.tokens.append(tok)
         out.token_logprobs.append(_lp(chosen.logprob) if chosen is not None else None)
-        out.top_logprobs.append({(x.decoded_token or decode(t)): _lp(x.logprob)
-                                 for t, x in sorted(pos.items(), key=lambda i: i[1].rank or 0)
-                                 if x.rank is not None and x.rank <= k})
+        out.top_logprobs.append({(x.decoded_token or _token_text(t, None)): _lp(x.logprob)
+                                 for t, x in _ranked(pos, k)})
         out.text_offset.append(offset)
         offset += len(tok)
     return out
 
 
-def _chat_logprobs(c: CompletionOutput, start: int, end: int, k: int,
-                   decode: Callable[[int], str]) -> ChatLogprobs | None:
+def _chat_logprobs(c: CompletionOutput, start: int, end: int, k: int) -> ChatLogprobs | None:
     if c.logprobs is None:
         return None
     content = []
     for tid, pos in zip(c.token_ids[start:end], c.logprobs[start:end]):
         chosen = pos.get(tid)
-        tok = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else decode(tid)
+        tok = _token_text(tid, chosen)
         top = [TopLogprob(token=x.decoded_token or "", logprob=_lp(x.logprob),
                           bytes=list((x.decoded_token or "").encode()))
-               for x in _ranked(pos, k)]
+               for _, x in _ranked(pos, k)]
         content.append(ChatTokenLogprob(token=tok, logprob=_lp(chosen.logprob) if chosen else LOGPROB_FLOOR,
                                         bytes=list(tok.encode()), top_logprobs=top))
     return ChatLogprobs(content=content)
@@ -91,20 +96,13 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _decoder(engine: LLMEngine) -> Callable[[int], str]:
-    """Fallback text for a token whose Logprob has no ``decoded_token`` (the engine always fills
-    it today). The tokenizer itself is only used on the engine thread."""
-    return lambda tid: f"<token {tid}>"
-
-
 def _error_event(e: BaseException) -> str:
     body = ErrorResponse(error=ErrorInfo(message=str(e), type="server_error", code="engine_error"))
     return _sse(body) + "data: [DONE]\n\n"
 
 
 async def _stream_completion(srv: _Server, stream: OutputStream, rid: str, index_of: dict[str, int], n: int,
-                             echo: list[str] | None, logprobs: int | None, include_usage: bool,
-                             decode: Callable[[int], str]) -> AsyncIterator[str]:
+                             echo: list[str] | None, logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
     sent_text: dict[int, int] = {}
     sent_tok: dict[int, int] = {}
@@ -127,7 +125,7 @@ async def _stream_completion(srv: _Server, stream: OutputStream, rid: str, index
                     continue
                 lp = None
                 if logprobs is not None:
-                    lp = _completion_logprobs(c, k0, len(c.token_ids), logprobs, t0, decode)
+                    lp = _completion_logprobs(c, k0, len(c.token_ids), logprobs, t0)
                 sent_text[idx], sent_tok[idx] = len(c.text), len(c.token_ids)
                 if c.finished:
                     done.add(idx)
@@ -147,7 +145,7 @@ async def _stream_completion(srv: _Server, stream: OutputStream, rid: str, index
 
 
 async def _stream_chat(srv: _Server, stream: OutputStream, rid: str, n: int, k: int | None,
-                       include_usage: bool, decode: Callable[[int], str]) -> AsyncIterator[str]:
+                       include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
@@ -170,7 +168,7 @@ async def _stream_chat(srv: _Server, stream: OutputStream, rid: str, n: int, k: 
                 delta = c.text[sent_text[i]:]
                 if not delta and not c.finished:
                     continue
-                lp = _chat_logprobs(c, sent_tok[i], len(c.token_ids), k, decode) if k is not None else None
+                lp = _chat_logprobs(c, sent_tok[i], len(c.token_ids), k) if k is not None else None
                 sent_text[i], sent_tok[i] = len(c.text), len(c.token_ids)
                 if c.finished:
                     done.add(i)
