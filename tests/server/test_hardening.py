@@ -212,3 +212,22 @@ def test_fatal_engine_failure_turns_health_to_503(chat_model: Any) -> None:
         assert httpx.get(server.base_url + "/health").status_code == 503
         again = _post(server, "/v1/completions", {"prompt": "t5 t6", "max_tokens": 5})
         assert again.status_code >= 500
+
+
+def test_n_over_max_num_seqs_is_a_400_and_the_server_keeps_serving(chat_model: Any) -> None:
+    """The engine refuses n > max_num_seqs (the n sequences run together); the server says so."""
+    from pagedllm.engine import LLMEngine
+    from pagedllm.server.api import ServerLimits, build_app
+
+    engine = LLMEngine.from_args(model=str(chat_model), block_size=4, num_kv_blocks=128,
+                                 max_model_len=128, max_num_seqs=2)
+    app = build_app(engine, model_name="tiny", api_key=API_KEY, limits=ServerLimits(max_n=4))
+    with ServerThread(app) as s:
+        r = httpx.post(s.base_url + "/v1/completions", headers=AUTH,
+                       json={"prompt": "t5", "n": 3, "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        assert "max_num_seqs=2" in r.json()["error"]["message"]
+        ok = httpx.post(s.base_url + "/v1/completions", headers=AUTH,
+                        json={"prompt": "t5", "n": 2, "max_tokens": 2, "ignore_eos": True})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+        s.wait_idle()
