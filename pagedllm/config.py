@@ -24,6 +24,7 @@ _DTYPE_ALIASES = {
     "bf16": "bfloat16",
     "bfloat16": "bfloat16",
 }
+DTYPE_NAMES = ("auto", *_DTYPE_ALIASES)  # what ``dtype`` / ``--dtype`` accept
 
 
 # KV cache storage dtypes (``--kv-cache-dtype``, vLLM's names): "auto" stores K/V at the model

@@ -10,16 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedllm.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    default_model_path,
-    normalize_kv_cache_dtype,
-    parse_memory,
-)
+from pagedllm.args import EngineArgs
+from pagedllm.config import EngineConfig
 from pagedllm.executor import make_executor
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.kv.plan import plan_kv_pool
@@ -115,17 +107,19 @@ class LLMEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_args(
-        cls,
-        scheduler_cls: type[Scheduler] = Scheduler,
-        preheat_prompts: Sequence[PromptType] | str | None = None,
-        **kwargs: Any,
-    ) -> LLMEngine:
-        """Build from engine kwargs; ``preheat_prompts`` are computed and pinned at start-up."""
-        engine = cls(build_engine_config(**kwargs), scheduler_cls)
-        if preheat_prompts is not None:
-            engine.preheat(preheat_prompts)
+    def from_engine_args(cls, args: EngineArgs,
+                         scheduler_cls: type[Scheduler] = Scheduler) -> LLMEngine:
+        """Build from settings; ``args.preheat_prompts`` are computed and pinned at start-up."""
+        engine = cls(args.create_engine_config(), scheduler_cls)
+        if args.preheat_prompts is not None:
+            engine.preheat(args.preheat_prompts)
         return engine
+
+    @classmethod
+    def from_args(cls, scheduler_cls: type[Scheduler] = Scheduler, **kwargs: Any) -> LLMEngine:
+        """Build from keyword settings: the fields of ``EngineArgs`` (vLLM's names accepted)."""
+        return cls.from_engine_args(EngineArgs.from_kwargs(kwargs, "LLMEngine.from_args"),
+                                    scheduler_cls)
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -405,106 +399,17 @@ def preemption_cost(config: EngineConfig, bytes_per_block: int) -> PreemptionCos
                           1.2e10 if cuda else 5e9)
 
 
-def build_engine_config(
-    model: str | None = None,
-    tokenizer: str | None = None,
-    dtype: str = "auto",
-    block_size: int = 16,
-    kv_cache_memory: str | int | None = None,
-    num_kv_blocks: int | None = None,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int | None = None,
-    max_model_len: int | None = None,
-    enable_prefix_caching: bool = True,
-    enable_chunked_prefill: bool = True,
-    seed: int = 0,
-    device: str = "cpu",
-    attention_backend: str | None = None,
-    gpu_memory_utilization: float = 0.9,
-    enforce_eager: bool = False,
-    tensor_parallel_size: int = 1,
-    distributed_executor_backend: str | None = None,
-    swap_space: float = 0,
-    preemption_mode: str = "recompute",
-    reserved_fraction: float = 0.1,
-    urgent_priority: int = 0,
-    initial_num_kv_blocks: int | None = None,
-    grow_chunk: int = 64,
-    compact_every_n_steps: int | None = None,
-    compact_below_utilization: float | None = None,
-    compact_window_steps: int = 16,
-    kv_cache_dtype: str = "auto",
-    k_cache_dtype: str | None = None,
-    v_cache_dtype: str | None = None,
-    kv_trace_path: str | None = None,
-    contiguous_urgent: bool = False,
-) -> EngineConfig:
-    """``kv_cache_dtype`` sets K and V storage; ``k_cache_dtype`` / ``v_cache_dtype`` override
-    one of them (e.g. kv_cache_dtype="auto", v_cache_dtype="int8")."""
-    model = model or default_model_path()
-    mcfg = ModelConfig.from_hf(model, dtype)
-    limit = mcfg.max_position_embeddings
-    if max_model_len is None:
-        max_model_len = limit
-    elif max_model_len > limit:
-        raise ValueError(
-            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}; "
-            f"lower --max-model-len"
-        )
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = max(2048, max_num_seqs) if enable_chunked_prefill else max(max_model_len, 2048)
-    return EngineConfig(
-        model=mcfg,
-        cache=CacheConfig(
-            block_size=block_size,
-            kv_cache_memory=parse_memory(kv_cache_memory) if kv_cache_memory is not None else None,
-            num_kv_blocks=num_kv_blocks,
-            enable_prefix_caching=enable_prefix_caching,
-            swap_space=int(swap_space * 1024**3),  # GiB, as vLLM's --swap-space
-            initial_num_kv_blocks=initial_num_kv_blocks,
-            grow_chunk=grow_chunk,
-            compact_every_n_steps=compact_every_n_steps,
-            compact_below_utilization=compact_below_utilization,
-            compact_window_steps=compact_window_steps,
-            k_cache_dtype=normalize_kv_cache_dtype(
-                kv_cache_dtype if k_cache_dtype is None else k_cache_dtype,
-                "kv_cache_dtype" if k_cache_dtype is None else "k_cache_dtype",
-            ),
-            v_cache_dtype=normalize_kv_cache_dtype(
-                kv_cache_dtype if v_cache_dtype is None else v_cache_dtype,
-                "kv_cache_dtype" if v_cache_dtype is None else "v_cache_dtype",
-            ),
-            kv_trace_path=kv_trace_path,
-            contiguous_urgent=contiguous_urgent,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=enable_chunked_prefill,
-            reserved_fraction=reserved_fraction,
-            urgent_priority=urgent_priority,
-            preemption_mode=preemption_mode,
-        ),
-        tokenizer=tokenizer or model,
-        seed=seed,
-        device=device,
-        attention_backend=attention_backend,
-        gpu_memory_utilization=gpu_memory_utilization,
-        enforce_eager=enforce_eager,
-        parallel=ParallelConfig(tensor_parallel_size, distributed_executor_backend or "mp"),
-    )
-
-
 class LLM:
     """Offline generation, vLLM-style: ``LLM(model=...).generate(prompts, SamplingParams(...))``.
 
     With no ``model`` the shipped default model (a small Llama trained on Python source) is used.
     """
 
-    def __init__(self, model: str | None = None,
-                 preheat_prompts: Sequence[PromptType] | str | None = None, **kwargs: Any) -> None:
-        self.engine = LLMEngine.from_args(model=model, preheat_prompts=preheat_prompts, **kwargs)
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """``kwargs``: the fields of ``pagedllm.EngineArgs`` (e.g. ``num_kv_blocks``,
+        ``preheat_prompts``); an unknown name is a TypeError naming the closest one."""
+        args = EngineArgs.from_kwargs({"model": model, **kwargs}, "LLM")
+        self.engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
 
     def get_prefix_cache_stats(self) -> dict[str, float]:

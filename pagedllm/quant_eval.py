@@ -113,8 +113,7 @@ def evaluate(
     dtype: str = "auto",
 ) -> list[Row]:
     from pagedllm import LLM
-    from pagedllm.config import parse_memory
-    from pagedllm.engine import build_engine_config
+    from pagedllm.args import EngineArgs
     from pagedllm.kv.plan import plan_kv_pool
     from pagedllm.tokenizer import get_tokenizer
 
@@ -122,8 +121,7 @@ def evaluate(
     kw: dict[str, Any] = dict(model=model, max_model_len=max(window_len, greedy_prompt_len) + greedy_tokens + 8,
                               attention_backend=attention_backend, enable_prefix_caching=False,
                               dtype=dtype)
-    tok = get_tokenizer(build_engine_config(
-        **{k: v for k, v in kw.items() if k != "enable_prefix_caching"}).tokenizer)
+    tok = get_tokenizer(EngineArgs(**kw).create_engine_config().tokenizer)
     texts = [Path(text).read_text()] if text else heldout_texts()
     eos = tok.eos_token_id
     stream: list[int] = []
@@ -152,9 +150,8 @@ def evaluate(
         for c, r in zip(cont, ref["cont"], strict=True):
             prefix += next((i for i, (a, b) in enumerate(zip(c, r)) if a != b), len(r))
         same = sum(c == r for c, r in zip(cont, ref["cont"], strict=True))
-        cfg = build_engine_config(**{k: v for k, v in kw.items() if k != "enable_prefix_caching"},
-                                  k_cache_dtype=kd, v_cache_dtype=vd,
-                                  kv_cache_memory=parse_memory(budget))
+        cfg = EngineArgs(**kw, k_cache_dtype=kd, v_cache_dtype=vd,
+                         kv_cache_memory=budget).create_engine_config()
         m = cfg.model
         per_token = cfg.cache.kv_bytes_per_token(m)
         unit = m.kv_bytes_per_token // m.dtype_bytes  # K+V elements per token

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine import build_engine_config
+from pagedllm.args import EngineArgs
 from pagedllm.runner.batch import Uploader, build_host_batch, fetch
 from pagedllm.runner.cuda_graph import capture_sizes
 from pagedllm.runner.memory import GiB, MemoryProfile, MemoryProfiler, kv_budget, profile_run
@@ -71,10 +71,10 @@ def test_profiler_needs_cuda() -> None:
 
 def test_engine_config_validates_device_and_utilization() -> None:
     with pytest.raises(ValueError, match="'cpu', 'cuda' or 'cuda:N'"):
-        build_engine_config(device="gpu")
+        EngineArgs(device="gpu").create_engine_config()
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.5 must be in \(0, 1\]"):
-        build_engine_config(gpu_memory_utilization=1.5)
-    assert build_engine_config(device="cuda:1", enforce_eager=True).is_cuda
+        EngineArgs(gpu_memory_utilization=1.5).create_engine_config()
+    assert EngineArgs(device="cuda:1", enforce_eager=True).create_engine_config().is_cuda
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")

@@ -6,13 +6,17 @@ Registered by ``pagedllm.cli``; everything heavy is imported inside the command 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-AddEngineArgs = Callable[[argparse.ArgumentParser], None]
-EngineKwargs = Callable[[argparse.Namespace], dict[str, Any]]
+from pagedllm.args import EngineArgs
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    """The engine settings of the command line, as keyword arguments."""
+    return dataclasses.asdict(EngineArgs.from_cli(a))
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -69,7 +73,7 @@ def _show(paths: list[Path]) -> None:
         print(f"wrote {p}")
 
 
-def register(subparsers: Any, add_engine_args: AddEngineArgs, engine_kwargs: EngineKwargs) -> None:
+def register(subparsers: Any) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks: throughput, memory, block size, kernel, serving")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -87,7 +91,7 @@ def register(subparsers: Any, add_engine_args: AddEngineArgs, engine_kwargs: Eng
     p.add_argument("--warmup", type=int, default=4, help="requests in each backend's warm-up run")
     _workload_args(p, 64)
     _common(p)
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
 
     def cmd_throughput(a: argparse.Namespace) -> int:
         from pagedllm.bench.baselines import BACKENDS, vllm_available
@@ -120,7 +124,7 @@ def register(subparsers: Any, add_engine_args: AddEngineArgs, engine_kwargs: Eng
     _workload_args(p, 32)
     p.set_defaults(workload="chat")
     _common(p)
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
 
     def cmd_prefix(a: argparse.Namespace) -> int:
         from pagedllm.bench.prefix import report_prefix, run_prefix
@@ -144,7 +148,7 @@ def register(subparsers: Any, add_engine_args: AddEngineArgs, engine_kwargs: Eng
                    help="without --num-kv-blocks: size the pool for this many max_model_len requests")
     _workload_args(p, 64)
     _common(p)
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
 
     def cmd_memory(a: argparse.Namespace) -> int:
         from pagedllm.bench.memory import default_num_blocks, report_memory, run_memory
@@ -169,7 +173,7 @@ def register(subparsers: Any, add_engine_args: AddEngineArgs, engine_kwargs: Eng
     p.add_argument("--reps", type=int, default=2, help="repetitions (the fastest is reported)")
     _workload_args(p, 32)
     _common(p)
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
 
     def cmd_block_size(a: argparse.Namespace) -> int:
         from pagedllm.bench.block_size import report_block_size, run_block_size

@@ -205,11 +205,7 @@ def build_workload(engine_kwargs: dict[str, Any], spec_kwargs: dict[str, Any]) -
 
 
 def engine_config(engine_kwargs: dict[str, Any]) -> Any:
-    """``build_engine_config`` of the CLI's engine kwargs, minus those only ``LLMEngine.from_args``
-    takes (e.g. ``preheat_prompts``)."""
-    import inspect
+    """The frozen configs of the CLI's engine kwargs."""
+    from pagedllm.args import EngineArgs
 
-    from pagedllm.engine import build_engine_config
-
-    known = inspect.signature(build_engine_config).parameters
-    return build_engine_config(**{k: v for k, v in engine_kwargs.items() if k in known})
+    return EngineArgs.from_kwargs(engine_kwargs).create_engine_config()

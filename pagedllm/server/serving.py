@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 from pagedllm.engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.server.args import ServerArgs
 from pagedllm.server.async_engine import AsyncEngine, EngineError, OutputStream, PromptSource
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import ErrorInfo, ErrorResponse, _SamplingFields
@@ -36,11 +37,16 @@ MAX_SEED = 2**63 - 1024  # room for seed + i over n samples inside torch's int64
 class ServerLimits:
     """Per-request limits; anything above is a 400 naming the field."""
 
-    max_request_bytes: int = 1 << 20
-    max_n: int = 16
-    max_tokens: int | None = None  # None: max_model_len
-    max_prompt_tokens: int | None = None  # None: max_model_len - 1
-    max_prompts: int = 32  # prompts in one /v1/completions batch
+    max_request_bytes: int = ServerArgs.max_request_bytes
+    max_n: int = ServerArgs.max_n
+    max_tokens: int | None = ServerArgs.max_tokens_limit  # None: max_model_len
+    max_prompt_tokens: int | None = ServerArgs.max_prompt_tokens  # None: max_model_len - 1
+    max_prompts: int = ServerArgs.max_prompts  # prompts in one /v1/completions batch
+
+    @classmethod
+    def from_args(cls, a: ServerArgs) -> ServerLimits:
+        return cls(a.max_request_bytes, a.max_n, a.max_tokens_limit, a.max_prompt_tokens,
+                   a.max_prompts)
 
 
 class APIError(Exception):

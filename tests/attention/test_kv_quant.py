@@ -241,19 +241,19 @@ def test_bytes_per_token_and_pool_sizing() -> None:
 
 
 def test_dtype_names_and_errors(tiny_models, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from pagedllm import LLM, EngineArgs
     from pagedllm.attention import registry
     from pagedllm.attention.cpu import CpuBackend
-    from pagedllm.engine import LLM, build_engine_config
 
     model = str(tiny_models["llama"])
-    c = build_engine_config(model, kv_cache_dtype="fp8", v_cache_dtype="auto").cache
+    c = EngineArgs(model, kv_cache_dtype="fp8", v_cache_dtype="auto").create_engine_config().cache
     assert (c.k_cache_dtype, c.v_cache_dtype) == ("fp8_e4m3", "auto")
-    c = build_engine_config(model, k_cache_dtype="int8").cache
+    c = EngineArgs(model, k_cache_dtype="int8").create_engine_config().cache
     assert (c.k_cache_dtype, c.v_cache_dtype) == ("int8", "auto")
     with pytest.raises(ValueError, match="v_cache_dtype='int4' is not supported; choose one of"):
-        build_engine_config(model, v_cache_dtype="int4")
+        EngineArgs(model, v_cache_dtype="int4").create_engine_config()
     with pytest.raises(ValueError, match="kv_cache_dtype='fp16'"):
-        build_engine_config(model, kv_cache_dtype="fp16")
+        EngineArgs(model, kv_cache_dtype="fp16").create_engine_config()
     with pytest.raises(ValueError, match="k_cache_dtype"):
         CacheConfig(k_cache_dtype="fp8")  # aliases are resolved before the frozen config
 

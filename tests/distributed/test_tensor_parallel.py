@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, EngineArgs, SamplingParams
 from pagedllm.config import ModelConfig, ParallelConfig
 from pagedllm.distributed.group import TPGroup, check_tp_size, shard_heads
-from pagedllm.engine import LLMEngine, build_engine_config
+from pagedllm.engine import LLMEngine
 from pagedllm.executor.multiproc import WorkerFailure
 
 REPO = Path(__file__).resolve().parents[2]
@@ -183,7 +183,7 @@ def test_tp2_block_moves_match_tp1(tiny_models: dict[str, Path]) -> None:
 
 # -- supervision ------------------------------------------------------------------------------------
 def _engine(model: Path, timeout_s: float = 120.0) -> LLMEngine:
-    cfg = build_engine_config(model=str(model), tensor_parallel_size=2, **ENGINE)
+    cfg = EngineArgs(model=str(model), tensor_parallel_size=2, **ENGINE).create_engine_config()
     return LLMEngine(dataclasses.replace(cfg, parallel=ParallelConfig(2, "mp", timeout_s)))
 
 

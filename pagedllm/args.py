@@ -1,0 +1,192 @@
+"""EngineArgs: every engine setting once — name, type, default, help.
+
+The same fields make the flags of ``pagedllm generate | serve | bench | plan`` (``add_cli_args``),
+the keyword arguments of ``LLM(...)`` / ``LLMEngine.from_args(...)`` (``from_kwargs``), the keys of
+a YAML ``--config`` file, and the frozen configs (``create_engine_config``). Defaults that the
+frozen configs also carry are read from them, so each is written in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from pagedllm.config import (
+    DTYPE_NAMES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    default_model_path,
+    normalize_kv_cache_dtype,
+    parse_memory,
+)
+from pagedllm.flags import add_flags, check_names, from_namespace, setting
+
+ENGINE, MEMORY = "engine", "memory"
+GROUP_TITLES = {ENGINE: "engine (names follow vLLM)", MEMORY: "KV memory management"}
+_KV_DTYPES = "auto (model dtype) | int8 | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2"
+_C, _S, _P, _E = CacheConfig, SchedulerConfig, ParallelConfig, EngineConfig
+
+
+@dataclass
+class EngineArgs:
+    """Engine settings as a user gives them (``LLM(**kwargs)``, flags, YAML); see
+    ``create_engine_config`` for how they become the frozen configs."""
+
+    model: str | None = setting(
+        None, "HF checkpoint directory (default: the shipped model)", metavar="DIR")
+    tokenizer: str | None = setting(
+        None, "tokenizer directory (default: --model)", metavar="DIR")
+    dtype: str = setting("auto", "model dtype; auto = the checkpoint's", choices=DTYPE_NAMES)
+    block_size: int = setting(_C.block_size, "tokens per KV block (power of two, 1..512)")
+    kv_cache_memory: str | int | None = setting(
+        None, "KV pool budget, e.g. 2GiB or bytes (default: fits --max-num-seqs full requests, "
+        "<= 4GiB)", "--kv-cache-memory-bytes", metavar="SIZE")
+    num_kv_blocks: int | None = setting(
+        None, "exact number of KV blocks (overrides --kv-cache-memory)", "--num-gpu-blocks-override")
+    max_num_seqs: int = setting(_S.max_num_seqs, "most requests running in one step")
+    max_num_batched_tokens: int | None = setting(
+        None, "token budget of one step (default: max(2048, max_num_seqs) with chunked prefill, "
+        "else max(max_model_len, 2048))")
+    max_model_len: int | None = setting(
+        None, "longest prompt + output (default: the model's max_position_embeddings)")
+    enable_prefix_caching: bool = setting(_C.enable_prefix_caching, "reuse cached prompt blocks")
+    enable_chunked_prefill: bool = setting(
+        _S.enable_chunked_prefill, "split long prompts over steps (off: a prompt fits one step)")
+    kv_cache_dtype: str = setting(_C.k_cache_dtype, f"KV cache storage: {_KV_DTYPES}")
+    k_cache_dtype: str | None = setting(None, "override --kv-cache-dtype for K")
+    v_cache_dtype: str | None = setting(None, "override --kv-cache-dtype for V")
+    seed: int = setting(_E.seed, "random seed")
+    device: str = setting(_E.device, "cpu | cuda | cuda:N")
+    attention_backend: str | None = setting(
+        _E.attention_backend, "torch_ref | cpu | triton (default: cpu on CPU, triton on CUDA)")
+    gpu_memory_utilization: float = setting(
+        _E.gpu_memory_utilization, "CUDA: fraction of GPU memory for weights + activations + KV "
+        "pool, when --kv-cache-memory / --num-kv-blocks are not given")
+    enforce_eager: bool = setting(_E.enforce_eager, "CUDA: no CUDA graphs; every step runs eagerly")
+    tensor_parallel_size: int = setting(
+        _P.tensor_parallel_size, "shard the model over N ranks (worker processes; CPU/gloo)", "-tp")
+    distributed_executor_backend: str = setting(
+        _P.distributed_executor_backend,
+        "where ranks 1..N-1 run: mp = local worker processes, ray = Ray actors",
+        choices=("mp", "ray"))
+    swap_space: float = setting(0.0, "GiB of host memory for swapped-out KV blocks", group=MEMORY)
+    preemption_mode: str = setting(_S.preemption_mode, "what a preempted request loses",
+                                   choices=("recompute", "swap", "auto"), group=MEMORY)
+    reserved_fraction: float = setting(
+        _S.reserved_fraction, "share of blocks only the urgent class may take", group=MEMORY)
+    urgent_priority: int = setting(
+        _S.urgent_priority, "priority <= this is the urgent class", group=MEMORY)
+    contiguous_urgent: bool = setting(
+        _C.contiguous_urgent, "give the urgent class runs of consecutive KV block ids where "
+        "possible", group=MEMORY)
+    initial_num_kv_blocks: int | None = setting(
+        _C.initial_num_kv_blocks, "start the pool smaller and grow it (elastic pool)", group=MEMORY)
+    grow_chunk: int = setting(_C.grow_chunk, "blocks an elastic pool grows by", group=MEMORY)
+    compact_every_n_steps: int | None = setting(
+        _C.compact_every_n_steps, "defragment every N steps", group=MEMORY)
+    compact_below_utilization: float | None = setting(
+        _C.compact_below_utilization, "defragment when KV utilization stays below this",
+        group=MEMORY)
+    compact_window_steps: int = setting(
+        _C.compact_window_steps, "steps utilization must stay low before compacting",
+        group=MEMORY)
+    kv_trace_path: str | None = setting(
+        _C.kv_trace_path, "write the KV allocation event trace (JSONL, replayable) to this file",
+        "--kv-trace", group=MEMORY, metavar="FILE")
+    preheat_prompts: Sequence[Any] | str | None = setting(
+        None, "file of prompts (one per line, text or a JSON list of ids) to cache at start-up",
+        group=MEMORY, metavar="FILE")
+
+    @classmethod
+    def aliases(cls) -> dict[str, str]:
+        """vLLM's keyword names -> field names (``kv_cache_memory_bytes`` -> ``kv_cache_memory``)."""
+        return {a.lstrip("-").replace("-", "_"): f.name for f in fields(cls)
+                for a in f.metadata.get("aliases", ()) if a.startswith("--")}
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any], what: str = "EngineArgs") -> EngineArgs:
+        """Keyword arguments -> EngineArgs, accepting vLLM's names; an unknown name is a
+        TypeError naming the closest field (``what`` names the caller in the message)."""
+        aliases = cls.aliases()
+        check_names(cls, list(kwargs), aliases, what)
+        return cls(**{aliases.get(k, k): v for k, v in kwargs.items()})
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Every field as a flag, plus ``--config FILE.yaml``."""
+        add_flags(parser, EngineArgs, GROUP_TITLES)
+        parser.add_argument("--config", default=None, metavar="FILE",
+                            help="YAML file of flag values (keys: flag names, dashes or "
+                            "underscores); the command line wins over the file, the file over "
+                            "the defaults")
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
+        return from_namespace(cls, ns)
+
+    def create_engine_config(self) -> EngineConfig:
+        """The frozen configs. Raises ValueError naming the setting at fault."""
+        model = self.model or default_model_path()
+        mcfg = ModelConfig.from_hf(model, self.dtype)
+        limit = mcfg.max_position_embeddings
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = limit
+        elif max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                f"{limit}; lower --max-model-len"
+            )
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            floor = _S.max_num_batched_tokens
+            budget = (max(floor, self.max_num_seqs) if self.enable_chunked_prefill
+                      else max(max_model_len, floor))
+        memory = self.kv_cache_memory
+        return EngineConfig(
+            model=mcfg,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory=parse_memory(memory) if memory is not None else None,
+                num_kv_blocks=self.num_kv_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+                swap_space=int(self.swap_space * 1024**3),  # GiB, as vLLM's --swap-space
+                initial_num_kv_blocks=self.initial_num_kv_blocks,
+                grow_chunk=self.grow_chunk,
+                compact_every_n_steps=self.compact_every_n_steps,
+                compact_below_utilization=self.compact_below_utilization,
+                compact_window_steps=self.compact_window_steps,
+                k_cache_dtype=self._kv_dtype("k_cache_dtype", self.k_cache_dtype),
+                v_cache_dtype=self._kv_dtype("v_cache_dtype", self.v_cache_dtype),
+                kv_trace_path=self.kv_trace_path,
+                contiguous_urgent=self.contiguous_urgent,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                reserved_fraction=self.reserved_fraction,
+                urgent_priority=self.urgent_priority,
+                preemption_mode=self.preemption_mode,
+            ),
+            tokenizer=self.tokenizer or model,
+            seed=self.seed,
+            device=self.device,
+            attention_backend=self.attention_backend,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enforce_eager=self.enforce_eager,
+            parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
+        )
+
+    def _kv_dtype(self, flag: str, override: str | None) -> str:
+        """``kv_cache_dtype`` sets K and V storage; ``k_cache_dtype`` / ``v_cache_dtype``
+        override one of them (e.g. kv_cache_dtype="auto", v_cache_dtype="int8")."""
+        if override is None:
+            return normalize_kv_cache_dtype(self.kv_cache_dtype, "kv_cache_dtype")
+        return normalize_kv_cache_dtype(override, flag)

@@ -1,0 +1,45 @@
+"""ServerArgs: the settings of ``pagedllm serve`` that are not engine settings, once each.
+
+Built like ``pagedllm.EngineArgs`` (``pagedllm.flags``): the fields make the flags, the YAML
+``--config`` keys, and the defaults of ``ServerLimits``. Importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from pagedllm.flags import add_flags, from_namespace, setting
+
+S = "server"
+
+
+@dataclass
+class ServerArgs:
+    host: str = setting("127.0.0.1", "bind address (default: loopback only)", group=S)
+    port: int = setting(8000, "TCP port", group=S)
+    api_key: str | None = setting(
+        None, "require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLLM_API_KEY)", group=S)
+    served_model_name: str | None = setting(
+        None, "model name in the API (default: the model path)", group=S)
+    batch_wait_ms: float = setting(
+        0.0, "how long the engine loop may wait for more arrivals before a step", group=S)
+    max_request_bytes: int = setting(1 << 20, "largest request body", group=S)
+    max_n: int = setting(16, "largest n per request", group=S)
+    max_tokens_limit: int | None = setting(
+        None, "largest max_tokens (default: max_model_len)", group=S)
+    max_prompt_tokens: int | None = setting(
+        None, "longest prompt (default: max_model_len - 1)", group=S)
+    max_prompts: int = setting(32, "prompts in one /v1/completions batch", group=S)
+    drain_timeout: float = setting(
+        30.0, "seconds SIGTERM waits for in-flight requests before aborting them", group=S)
+    log_level: str = setting("info", "uvicorn log level", group=S,
+                             choices=("critical", "error", "warning", "info", "debug"))
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        add_flags(parser, ServerArgs, {S: "server"})
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:
+        return from_namespace(cls, ns)
