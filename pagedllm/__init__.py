@@ -1,7 +1,7 @@
 """pagedllm: an LLM inference engine built around a paged KV cache.
 
 The public names are imported lazily so that the pure-Python parts (``pagedllm.kv``,
-``pagedllm.scheduler``) can be used, tested and replayed without importing torch.
+``pagedllm.sched``) can be used, tested and replayed without importing torch.
 """
 
 from __future__ import annotations

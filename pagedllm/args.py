@@ -81,9 +81,6 @@ class EngineArgs:
         _S.reserved_fraction, "share of blocks only the urgent class may take", group=MEMORY)
     urgent_priority: int = setting(
         _S.urgent_priority, "priority <= this is the urgent class", group=MEMORY)
-    contiguous_urgent: bool = setting(
-        _C.contiguous_urgent, "give the urgent class runs of consecutive KV block ids where "
-        "possible", group=MEMORY)
     initial_num_kv_blocks: int | None = setting(
         _C.initial_num_kv_blocks, "start the pool smaller and grow it (elastic pool)", group=MEMORY)
     grow_chunk: int = setting(_C.grow_chunk, "blocks an elastic pool grows by", group=MEMORY)
@@ -164,7 +161,6 @@ class EngineArgs:
                 k_cache_dtype=self._kv_dtype("k_cache_dtype", self.k_cache_dtype),
                 v_cache_dtype=self._kv_dtype("v_cache_dtype", self.v_cache_dtype),
                 kv_trace_path=self.kv_trace_path,
-                contiguous_urgent=self.contiguous_urgent,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -230,9 +230,6 @@ class CacheConfig:
     v_cache_dtype: str = "auto"
     # Allocation event trace (pagedllm.kv.trace): a JSONL file written while the engine runs.
     kv_trace_path: str | None = None
-    # Hand the urgent class (SchedulerConfig.urgent_priority) runs of consecutive block ids where
-    # the free pool allows (BlockPool._take_contiguous). Off by default: no measured gain on CPU.
-    contiguous_urgent: bool = False
 
     def __post_init__(self) -> None:
         for flag in ("k_cache_dtype", "v_cache_dtype"):

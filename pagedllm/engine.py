@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Sequence
@@ -15,14 +16,14 @@ from pagedllm.config import EngineConfig
 from pagedllm.executor import make_executor
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.kv.plan import plan_kv_pool
-from pagedllm.kv.swap import PreemptionCost
 from pagedllm.kv_preheat import KVMemoryController, kv_stats, load_prompts
 from pagedllm.logging_utils import init_logger
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.request import Logprob, PositionLogprobs, Request, RequestStatus
 from pagedllm.runner.model_runner import PromptLogprobsChunk, SampledToken
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import ScheduledRequest, Scheduler
+from pagedllm.sched import ScheduledRequest, Scheduler
+from pagedllm.sched.preemption import PreemptionCost
 from pagedllm.tokenizer import IncrementalDetokenizer, eos_token_ids, get_tokenizer
 
 logger = init_logger(__name__)
@@ -87,14 +88,17 @@ class LLMEngine:
         )
         start = min(config.cache.initial_num_kv_blocks or p.num_blocks, p.num_blocks)
         self.kv = KVCacheManager(start, p.block_size, config.cache.enable_prefix_caching,
-                                 num_host_blocks=config.cache.num_host_blocks(config.model),
-                                 contiguous_urgent=config.cache.contiguous_urgent)
+                                 num_host_blocks=config.cache.num_host_blocks(config.model))
         self.kv.set_max_num_blocks(p.num_blocks)  # an elastic pool grows up to the budget
+        self.scheduler = scheduler_cls(config.scheduler, self.kv)
+        self._closing = contextlib.ExitStack()  # what shutdown() closes besides the runner
         if config.cache.kv_trace_path is not None:
             from pagedllm.kv.trace import KVTracer, attach
 
-            attach(self.kv, KVTracer(config.cache.kv_trace_path))
-        self.scheduler = scheduler_cls(config.scheduler, self.kv)
+            sched = self.scheduler
+            tracer = KVTracer(config.cache.kv_trace_path, clock=lambda: sched.num_steps)
+            attach(self.kv, tracer)
+            self._closing.callback(tracer.close)
         self.scheduler.cost_model = preemption_cost(config, p.bytes_per_block)
         if profiled:
             runner.init_kv_cache(start)
@@ -215,8 +219,6 @@ class LLMEngine:
 
     # -- the hot loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.kv.tracer is not None:
-            self.kv.tracer.step += 1
         self.memory.before_step()  # elastic pool growth
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
@@ -332,8 +334,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (nothing to do in one process). Garbage collection and
         interpreter exit do it too; the engine is unusable afterwards."""
-        if self.kv.tracer is not None:
-            self.kv.tracer.close()
+        self._closing.close()
         self.runner.shutdown()
 
     def check_integrity(self) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedllm.kv.manager import KVCacheManager
-    from pagedllm.scheduler import Scheduler
+    from pagedllm.sched import Scheduler
 
 
 def load_prompts(path: str) -> list[str | list[int]]:
@@ -32,7 +32,7 @@ def load_prompts(path: str) -> list[str | list[int]]:
 
 def kv_utilization(sched: Scheduler, kv: KVCacheManager) -> float:
     """Live tokens / slots of the used blocks (1.0 = no internal fragmentation)."""
-    used = kv.pool.num_blocks - kv.pool.num_free_blocks
+    used = kv.num_used_blocks
     live = sum(r.num_computed_tokens for r in sched.requests.values() if kv.has_request(r.request_id))
     return live / (used * kv.block_size) if used else 0.0
 
@@ -52,8 +52,8 @@ def kv_stats(sched: Scheduler, kv: KVCacheManager) -> dict[str, Any]:
         "prefix_cache_hit_rate": kv.stats.hit_rate,
         "num_preemptions": sched.num_preemptions,
         "preemptions_by_kind": dict(sched.preemptions_by_kind),
-        "swapped_out_blocks": kv.swap_stats.get("out", 0),
-        "swapped_in_blocks": kv.swap_stats.get("in", 0),
+        "swapped_out_blocks": kv.host.stats["out"],
+        "swapped_in_blocks": kv.host.stats["in"],
         "num_swapped": sched.num_swapped,
     }
 

@@ -199,7 +199,7 @@ def test_prefix_stats_count_each_admission_once() -> None:
     from pagedllm.config import SchedulerConfig
     from pagedllm.kv.manager import KVCacheManager
     from pagedllm.request import Request
-    from pagedllm.scheduler import Scheduler
+    from pagedllm.sched import Scheduler
 
     kv = KVCacheManager(6, 4, enable_prefix_caching=True)
     s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=24,

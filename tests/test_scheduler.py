@@ -10,7 +10,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler
+from pagedllm.sched import Scheduler
 
 
 def make(num_blocks: int = 10, block_size: int = 4, budget: int = 16, seqs: int = 8,
@@ -216,21 +216,3 @@ def test_equal_priority_never_preempts_for_admission() -> None:
     s.add_request(req("b", 8, priority=1, base=200))
     sched, pre = run_step(s)
     assert pre == [] and sched == {"a": 1}
-
-
-def test_contiguous_urgent_is_passed_to_the_kv_manager() -> None:
-    def tables(contiguous: bool, priority: int) -> dict[str, list[int]]:
-        kv = KVCacheManager(10, 4, enable_prefix_caching=False, contiguous_urgent=contiguous)
-        s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=40,
-                                      reserved_fraction=0.0), kv)
-        s.add_request(req("a", 3, max_tokens=8, priority=priority))
-        s.add_request(req("b", 7, max_tokens=1, priority=5, base=300))  # [1, 2], done at once
-        run_step(s)
-        assert kv.block_table("a") == [0] and not kv.has_request("b")  # queue: 3..9, 2, 1
-        for _ in range(6):  # decodes up to 9 slots: 3 blocks
-            run_step(s)
-        return {"a": kv.block_table("a")}
-
-    assert tables(True, priority=0) == {"a": [0, 1, 2]}  # urgent: 1, 2 follow 0
-    assert tables(False, priority=0) == {"a": [0, 3, 4]}
-    assert tables(True, priority=5) == {"a": [0, 3, 4]}  # not the urgent class

@@ -47,7 +47,7 @@ class EngineBackend:
         from pagedllm.bench.contiguous import ContiguousScheduler
         from pagedllm.bench.probe import recording
         from pagedllm.engine import LLMEngine
-        from pagedllm.scheduler import Scheduler
+        from pagedllm.sched import Scheduler
 
         base = ContiguousScheduler if policy == "contiguous" else Scheduler
         self.name = name

@@ -23,7 +23,7 @@ from collections import deque
 from pagedllm.config import SchedulerConfig
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
-from pagedllm.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from pagedllm.sched import ScheduledRequest, Scheduler, SchedulerOutput
 
 
 class ContiguousScheduler(Scheduler):

@@ -41,7 +41,7 @@ def run_memory(
     mode: str = "real",
 ) -> dict[str, Any]:
     from pagedllm.bench.contiguous import ContiguousScheduler
-    from pagedllm.scheduler import Scheduler
+    from pagedllm.sched import Scheduler
 
     kwargs = {**engine_kwargs, "num_kv_blocks": num_blocks, "kv_cache_memory": None}
     policies = {"paged": Scheduler, "contiguous": ContiguousScheduler}

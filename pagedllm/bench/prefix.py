@@ -38,7 +38,7 @@ from pagedllm.bench.report import (
 from pagedllm.bench.workload import BenchRequest, WorkloadSpec, poisson_arrivals, summarize
 from pagedllm.config import SchedulerConfig
 from pagedllm.kv.manager import KVCacheManager
-from pagedllm.scheduler import Scheduler, SchedulerOutput
+from pagedllm.sched import Scheduler, SchedulerOutput
 
 COLUMNS = ("prefix_caching", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "computed_prompt_tokens",
            "prompt_tokens", "prefix_cache_hit_rate", "requests_per_s", "output_tokens_per_s")

@@ -30,7 +30,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler, SchedulerOutput
+from pagedllm.sched import Scheduler, SchedulerOutput
 
 
 @dataclass

@@ -47,7 +47,7 @@ from pagedllm.distributed.worker import (
 from pagedllm.executor import Executor
 from pagedllm.logging_utils import init_logger
 from pagedllm.runner.model_runner import RunnerOutput
-from pagedllm.scheduler import SchedulerOutput
+from pagedllm.sched.output import SchedulerOutput
 
 logger = init_logger(__name__)
 

@@ -130,22 +130,23 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """Owns ``num_blocks`` blocks, their ref counts, the free queue and the hash index.
+    """Owns the blocks, their ref counts, the free queue and the hash index; and the pool's size:
+    ``grow`` / ``shrink`` change it, ``compact`` remaps live blocks to the lowest ids.
 
     Initially every block is free, queued in id order, so a fresh pool hands out 0, 1, 2, ...
     """
 
-    RUN_SCAN = 32  # queued blocks probed for the start of a free run (bounds _take_contiguous)
-    RUN_GAP = 4  # free blocks left after a held block when a new run starts behind it
-
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}  # BlockHash.value -> the block that holds it
         self.on_evict: Callable[[KVBlock], None] | None = None  # the KV trace's hook
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -153,23 +154,24 @@ class BlockPool:
         return len(self.free_queue)
 
     @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - len(self.free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the hash index (referenced or cached-free)."""
+        return len(self.cached)
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks with ref_cnt > 0."""
-        return 1.0 - len(self.free_queue) / self.num_blocks
+        return 1.0 - len(self.free_queue) / len(self.blocks)
 
     # -- allocation ---------------------------------------------------------------------------
-    def get_new_blocks(self, n: int, *, contiguous: bool = False,
-                       after: KVBlock | None = None) -> list[KVBlock]:
-        """Pop ``n`` blocks from the head of the free queue (LRU), evicting cached ones.
-
-        ``contiguous=True`` asks for physically consecutive ids instead (see
-        ``_take_contiguous``), continuing after ``after`` (the table's current last block) when
-        that block's successor is free; it never fails where the LRU path would succeed.
-        """
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        """Pop ``n`` blocks from the head of the free queue (LRU), evicting cached ones."""
         if n > len(self.free_queue):
             raise ValueError(f"need {n} free KV blocks but only {len(self.free_queue)} are free")
-        if contiguous:
-            return self._take_contiguous(n, after)
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
@@ -177,67 +179,6 @@ class BlockPool:
             block.ref_cnt = 1
             out.append(block)
         return out
-
-    def _take_contiguous(self, n: int, after: KVBlock | None) -> list[KVBlock]:
-        """``n`` free blocks, as consecutive ids where the free set allows::
-
-            after = b4, n = 3     ids  3 [4] 5  6  7  8     (free: 5, 8, 9, 10, 11)
-                                          └─▶ 5 is free: take it (unlink from mid-queue, O(1))
-                                               6 is held: start a new run
-            bounded scan of the queue: 8 starts the longest free run (8..11); 7 is held, so
-            the run starts 1 block in (half the slack) → table tail [4, 5, 9, 10]
-
-        Each next block is the successor of the last one taken if that one is free (ref_cnt 0 ⇔
-        queued); otherwise a new run starts (``_run_start``): the first of the first
-        ``RUN_SCAN`` queued blocks (LRU order) whose free run covers the blocks still needed plus
-        ``2 * RUN_GAP``, else the one with the longest run. When the block before that run is
-        held, the new run starts up to ``RUN_GAP`` blocks in (buddy-style split of the free run),
-        so the holder of that block can keep growing in place: without the gap, requests that
-        decode in lockstep take each other's successors and interleave ([0, 2, 4] / [1, 3, 5]).
-        A call costs O(RUN_SCAN * (n + 2 * RUN_GAP)) at worst and O(n) when successors are free.
-        Blocks taken from mid-queue may carry a cached hash; it is evicted as an LRU pop would
-        (trade-off: a more recently freed prefix block may go before an older one).
-        """
-        out: list[KVBlock] = []
-        last = after
-        while len(out) < n:
-            nxt = None
-            if last is not None and last.block_id + 1 < self.num_blocks:
-                cand = self.blocks[last.block_id + 1]
-                if cand.ref_cnt == 0:
-                    nxt = cand
-            if nxt is None:
-                nxt = self._run_start(n - len(out))
-            self.free_queue.remove(nxt)
-            self._evict(nxt)
-            nxt.ref_cnt = 1
-            out.append(nxt)
-            last = nxt
-        return out
-
-    def _run_start(self, want: int) -> KVBlock:
-        """Where a new run of ``want`` blocks starts (see ``_take_contiguous``). The queue must
-        be non-empty."""
-        best = self.free_queue.head
-        assert best is not None
-        best_len = 0
-        gap = self.RUN_GAP
-        block: KVBlock | None = best
-        for _ in range(self.RUN_SCAN):
-            if block is None:
-                break
-            i, end = block.block_id, min(block.block_id + want + 2 * gap, self.num_blocks)
-            while i < end and self.blocks[i].ref_cnt == 0:
-                i += 1
-            if i - block.block_id > best_len:
-                best, best_len = block, i - block.block_id
-                if best_len >= want + 2 * gap:
-                    break
-            block = block.next_free
-        skip = max(0, min(gap, (best_len - want) // 2))
-        if skip and best.block_id > 0 and self.blocks[best.block_id - 1].ref_cnt > 0:
-            return self.blocks[best.block_id + skip]
-        return best
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on each block, reviving cached-evictable ones."""
@@ -288,6 +229,59 @@ class BlockPool:
             block.block_hash = None
         self.cached.clear()
         return True
+
+    # -- size and layout ----------------------------------------------------------------------
+    def grow(self, n: int) -> None:
+        """Add ``n`` fresh blocks (ids num_blocks .. num_blocks + n - 1), queued at the head so
+        they are handed out before any cached block is evicted."""
+        new = [KVBlock(i) for i in range(len(self.blocks), len(self.blocks) + n)]
+        self.blocks.extend(new)
+        for b in reversed(new):
+            self.free_queue.appendleft(b)
+
+    def shrink(self, n: int) -> bool:
+        """Drop blocks ``n`` .. end if all are free (``compact`` first); False (no change)
+        otherwise. Cached hashes of dropped blocks are evicted."""
+        tail = self.blocks[n:]
+        if n < 1 or any(b.ref_cnt > 0 for b in tail):
+            return False
+        for b in tail:
+            self.free_queue.remove(b)
+            self._evict(b)
+        del self.blocks[n:]
+        return True
+
+    def fragmentation(self) -> int:
+        """Referenced blocks at ids >= num_used_blocks (what ``compact`` would move)."""
+        return sum(1 for b in self.blocks[self.num_used_blocks:] if b.ref_cnt > 0)
+
+    def compact(self) -> dict[int, KVBlock]:
+        """Move referenced blocks to the lowest ids::
+
+            before   ids  0 1 2 3 4 5 6 7     L = referenced, c = cached-free, . = free
+                          L . L c . L . L
+            compact  moves (5 -> 1), (7 -> 3)  ref counts and cached hashes move along; a
+                          L L L L . . . .     cached-free destination loses its hash (evicted)
+
+        Afterwards every block at or above ``num_used_blocks`` is free (``shrink`` can drop the
+        tail). Returns {old block id: the block now holding its content}; the holders of the old
+        ids (block tables) must follow the remap, and the KV tensors copy src -> dst.
+        """
+        k = self.num_used_blocks
+        holes = [b for b in self.blocks[:k] if b.ref_cnt == 0]
+        movers = [b for b in self.blocks[k:] if b.ref_cnt > 0]
+        assert len(holes) == len(movers)
+        remap: dict[int, KVBlock] = {}
+        for src, dst in zip(movers, holes):
+            self.free_queue.remove(dst)
+            self._evict(dst)
+            dst.ref_cnt, src.ref_cnt = src.ref_cnt, 0
+            if src.block_hash is not None:
+                dst.block_hash, src.block_hash = src.block_hash, None
+                self.cached[dst.block_hash.value] = dst
+            self.free_queue.append(src)
+            remap[src.block_id] = dst
+        return remap
 
     # -- invariants ---------------------------------------------------------------------------
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:

@@ -18,6 +18,10 @@ hash to themselves), an accidental or crafted collision of the *parent* link is 
 stored ``(parent, token_ids, extra_keys)`` is still compared on every hit, so a collision of the
 value itself never produces a wrong hit. Values are also stable across processes (no hash seed).
 Cost: ~1 µs per full block, paid once per block.
+
+The manager holds its parts: the ``BlockPool`` (blocks, free queue, hash index, pool size), a
+``CopyOnWrite`` (shared partial blocks and pending copies, kv/sharing.py) and a ``HostTier``
+(swap plans, kv/host_tier.py). Tracing (kv/trace.py) wraps its public calls from outside.
 """
 
 from __future__ import annotations
@@ -25,16 +29,15 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
 
-from pagedllm.kv.block_pool import BlockHash, BlockPool, KVBlock, hash_hex
-from pagedllm.kv.compaction import CompactionMixin
-from pagedllm.kv.sharing import SharingMixin
-from pagedllm.kv.swap import SwapMixin
+from pagedllm.kv.block_pool import BlockHash, BlockPool, KVBlock
+from pagedllm.kv.host_tier import HostTier
+from pagedllm.kv.prefix import PrefixCacheStats, PrefixHit
+from pagedllm.kv.sharing import CopyOnWrite
 
-if TYPE_CHECKING:
-    from pagedllm.kv.trace import KVTracer
+__all__ = ["KVCacheManager", "PrefixCacheStats", "PrefixHit", "hash_block_tokens"]
+
+PIN_PREFIX = "__pinned__/"
 
 
 def hash_block_tokens(parent: int | None, token_ids: tuple[int, ...],
@@ -52,34 +55,7 @@ def make_block_hash(parent: BlockHash | None, token_ids: Sequence[int],
     return BlockHash(value, parent_value, tokens, extra_keys)
 
 
-class PrefixHit(NamedTuple):
-    """Cached full blocks that cover the head of a prompt. Holds no references.
-
-    ``hashes`` (filled by ``find_prefix``) lets ``allocate_slots`` detect a hit that went stale
-    because one of its blocks was evicted in between.
-    """
-
-    blocks: list[int]
-    num_tokens: int
-    hashes: tuple[BlockHash, ...] = ()
-
-
-@dataclass
-class PrefixCacheStats:
-    """Token-level prefix-cache counters: ``queries`` prompt tokens looked up, ``hits`` found."""
-
-    queries: int = 0
-    hits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-    def reset(self) -> None:
-        self.queries = self.hits = 0
-
-
-class KVCacheManager(SharingMixin, SwapMixin, CompactionMixin):
+class KVCacheManager:
     """Block tables for requests (by id), backed by one ``BlockPool``.
 
     Calls never partially apply: ``allocate_slots`` either covers the requested tokens or returns
@@ -87,33 +63,42 @@ class KVCacheManager(SharingMixin, SwapMixin, CompactionMixin):
     """
 
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True, num_host_blocks: int = 0, *,
-                 contiguous_urgent: bool = False) -> None:
+                 enable_prefix_caching: bool = True, num_host_blocks: int = 0) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # urgent allocations take consecutive block ids where possible (BlockPool._take_contiguous)
-        self.contiguous_urgent = contiguous_urgent
         self.pool = BlockPool(num_blocks)
+        self.cow = CopyOnWrite()
+        self.host = HostTier(num_host_blocks)
         self.stats = PrefixCacheStats()
         self._tables: dict[str, list[KVBlock]] = {}
-        self._hashes: dict[str, list[BlockHash]] = {}  # hashes of the table's leading full blocks
-        self._cow: dict[str, int] = {}  # table index of a shared partial block, copied on write
-        self._copies: list[tuple[int, int]] = []  # (src, dst) block copies not yet taken
+        # hashes of the table's leading full blocks; swapped-out requests keep theirs
+        self._hashes: dict[str, list[BlockHash]] = {}
         self._pins: list[str] = []  # pseudo-requests holding pinned (preheated) prefix blocks
-        self._init_swap(num_host_blocks)
         self._max_blocks = num_blocks
-        self.tracer: KVTracer | None = None  # allocation event trace (pagedllm.kv.trace.attach)
+        self.tracer: object | None = None  # the KVTracer recording this manager (kv/trace.py)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
     @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
     def usage(self) -> float:
         return self.pool.usage
+
+    @property
+    def num_requests(self) -> int:
+        """Requests holding device blocks or swapped out (pins included)."""
+        return len(self._hashes)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._tables
@@ -124,6 +109,10 @@ class KVCacheManager(SharingMixin, SwapMixin, CompactionMixin):
         if table is None:
             raise KeyError(f"no blocks allocated for request {request_id!r}")
         return [b.block_id for b in table]
+
+    def block_hashes(self, request_id: str) -> list[BlockHash]:
+        """A copy of the hashes of the request's leading full, computed blocks."""
+        return list(self._hashes.get(request_id, ()))
 
     # -- prefix lookup ------------------------------------------------------------------------
     def find_prefix(self, token_ids: Sequence[int], extra_keys: tuple | None = None,
@@ -167,15 +156,13 @@ class KVCacheManager(SharingMixin, SwapMixin, CompactionMixin):
         if table is None and prefix is not None:
             have = len(prefix.blocks)
             revive = sum(1 for i in prefix.blocks if self.pool.blocks[i].ref_cnt == 0)
-        cow = 1 if table is not None and self._needs_copy(request_id, table) else 0
+        cow = 1 if table is not None and self.cow.needs_copy(request_id, table) else 0
         return max(0, -(-num_total_tokens // self.block_size) - have) + revive + cow
 
     def allocate_slots(self, request_id: str, num_total_tokens: int,
-                       prefix: PrefixHit | None = None, *, urgent: bool = False) -> bool:
+                       prefix: PrefixHit | None = None) -> bool:
         """Make ``request_id``'s table cover ``num_total_tokens`` slots; False (and no change at
-        all) if the pool lacks free blocks. ``prefix`` is only accepted on the first call.
-        ``urgent`` (the scheduler's urgent class) with ``contiguous_urgent`` on extends the table
-        with consecutive block ids where the pool allows; the number of blocks taken is the same."""
+        all) if the pool lacks free blocks. ``prefix`` is only accepted on the first call."""
         table = self._tables.get(request_id)
         hit: list[KVBlock] = []
         hit_hashes: list[BlockHash] = []
@@ -184,30 +171,16 @@ class KVCacheManager(SharingMixin, SwapMixin, CompactionMixin):
                 raise ValueError(f"request {request_id!r} already has blocks; a prefix hit "
                                  "can only seed a new request's table")
             hit, hit_hashes = self._validate_prefix(prefix, num_total_tokens)
-        tracer = self.tracer
         if self.num_blocks_needed(request_id, num_total_tokens, prefix) > self.pool.num_free_blocks:
-            if tracer is not None:
-                tracer.emit("allocate", rid=request_id, num_tokens=num_total_tokens,
-                            prefix=[b.block_id for b in hit], ok=False, new=[])
             return False
         if table is None:
-            if tracer is not None and hit:
-                tracer.emit("prefix_hit", rid=request_id, blocks=[b.block_id for b in hit],
-                            hashes=[hash_hex(h.value) for h in hit_hashes])
             self.pool.touch(hit)  # before get_new_blocks, so our own prefix is not evicted
             table = self._tables[request_id] = list(hit)
             self._hashes[request_id] = hit_hashes
-        self._copy_on_write(request_id, table)
+        self.cow.before_write(request_id, table, self.pool)
         n_new = -(-num_total_tokens // self.block_size) - len(table)
-        contiguous = urgent and self.contiguous_urgent
-        new = (self.pool.get_new_blocks(n_new, contiguous=contiguous,
-                                        after=table[-1] if table else None)
-               if n_new > 0 else [])
-        table.extend(new)
-        if tracer is not None:
-            tracer.emit("allocate", rid=request_id, num_tokens=num_total_tokens,
-                        prefix=[b.block_id for b in hit], ok=True, new=[b.block_id for b in new],
-                        **({"urgent": True} if contiguous else {}))
+        if n_new > 0:
+            table.extend(self.pool.get_new_blocks(n_new))
         return True
 
     def _validate_prefix(self, prefix: PrefixHit,
@@ -252,36 +225,141 @@ class KVCacheManager(SharingMixin, SwapMixin, CompactionMixin):
                                 extra_keys)
             self.pool.cache_block(table[i], h)
             hashes.append(h)
-        if self.tracer is not None and num_full > start:
-            self.tracer.emit("cache", rid=request_id, start=start,
-                             tokens=list(token_ids[start * bs:num_full * bs]),
-                             blocks=[b.block_id for b in table[start:num_full]],
-                             hashes=[hash_hex(h.value) for h in hashes[start:]],
-                             **({} if extra_keys is None else {"extra_keys": list(extra_keys)}))
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first: among its cached blocks the deepest
         is evicted first. Unknown ids are a no-op."""
-        if self.tracer is not None and (request_id in self._tables or self.is_swapped(request_id)):
-            self.tracer.emit("free", rid=request_id,
-                             blocks=[b.block_id for b in self._tables.get(request_id, ())],
-                             swapped=self.is_swapped(request_id))
-        self._drop_swapped(request_id)
         table = self._tables.pop(request_id, None)
         self._hashes.pop(request_id, None)
-        self._cow.pop(request_id, None)
+        self.host.drop(request_id)
+        self.cow.forget(request_id, table)
         if table is not None:
-            if self._copies:  # a copy into a block that is freed before the step runs is moot
-                gone = {b.block_id for b in table if b.ref_cnt == 1}
-                self._copies = [c for c in self._copies if c[1] not in gone]
             self.pool.free_blocks(reversed(table))
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; refused (False) while any request holds blocks."""
-        ok = not any(self._tables.values()) and self.pool.reset_prefix_cache()
-        if self.tracer is not None:
-            self.tracer.emit("reset_prefix_cache", ok=ok)
-        return ok
+        return not any(self._tables.values()) and self.pool.reset_prefix_cache()
+
+    # -- sharing: fork (copy-on-write, kv/sharing.py) and pinned prefixes --------------------------
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
+        """Give ``child_id`` the parent's blocks covering its first ``num_tokens`` (computed)
+        tokens, by reference. Takes no free block; a shared partial last block is copied on the
+        next write of whichever sharer writes first."""
+        if child_id in self._tables:
+            raise ValueError(f"request {child_id!r} already has blocks")
+        parent = self._tables.get(parent_id)
+        if parent is None:
+            raise KeyError(f"no blocks allocated for request {parent_id!r}")
+        n_blocks = -(-num_tokens // self.block_size)
+        if n_blocks > len(parent):
+            raise ValueError(f"fork at {num_tokens} tokens but {parent_id!r} holds "
+                             f"{len(parent)} blocks")
+        shared = parent[:n_blocks]
+        self.pool.touch(shared)
+        self._tables[child_id] = list(shared)
+        self._hashes[child_id] = self._hashes[parent_id][:num_tokens // self.block_size]
+        if num_tokens % self.block_size:
+            self.cow.mark(child_id, n_blocks - 1)
+            self.cow.mark(parent_id, n_blocks - 1)
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) copies made by ``allocate_slots`` since the last call; the runner must
+        apply them (in one batch) before writing into the dst blocks."""
+        return self.cow.take()
+
+    def pin(self, token_ids: Sequence[int]) -> int:
+        """Warm-up: take one reference on the cached full blocks at the head of ``token_ids`` (as
+        ``find_prefix`` finds them) under a pseudo-request, so they are never evicted; returns how
+        many blocks were pinned. ``unpin_all`` releases them."""
+        hit = self.find_prefix(token_ids, record_stats=False)
+        if not hit.blocks:
+            return 0
+        pin_id = f"{PIN_PREFIX}{len(self._pins)}"
+        assert self.allocate_slots(pin_id, hit.num_tokens, hit), "pinning takes no free block"
+        self._pins.append(pin_id)
+        return len(hit.blocks)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len({b.block_id for p in self._pins for b in self._tables[p]})
+
+    def unpin_all(self) -> None:
+        for pin_id in self._pins:
+            self.free(pin_id)
+        self._pins.clear()
+
+    # -- the host tier (swap plans, kv/host_tier.py; ``self.host`` answers queries) ---------------
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host.num_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host.num_free_blocks
+
+    def is_swapped(self, request_id: str) -> bool:
+        return self.host.holds(request_id)
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to the host tier: (device, host) pairs to copy, or None
+        (nothing changed) if the host tier lacks room. The request keeps its computed count and
+        its prefix hashes; its device blocks are freed (shared ones stay with their holders)."""
+        table = self._tables.get(request_id)
+        if table is None:
+            raise KeyError(f"no blocks allocated for request {request_id!r}")
+        if len(table) > self.host.num_free_blocks:
+            return None
+        pairs = self.host.swap_out(request_id, self.cow.sources(request_id, table))
+        assert pairs is not None
+        del self._tables[request_id]
+        self.pool.free_blocks(reversed(table))
+        return pairs
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back into fresh device blocks: (host, device) pairs to copy, or
+        None (nothing changed) if the device pool lacks free blocks. Its prefix hashes are
+        re-registered where no other block holds them."""
+        n = self.host.num_blocks_of(request_id)
+        if n > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.get_new_blocks(n)
+        self._tables[request_id] = blocks
+        for b, h in zip(blocks, self._hashes[request_id]):
+            if self.pool.get_cached_block(h) is None:
+                self.pool.cache_block(b, h)
+        return self.host.swap_in(request_id, [b.block_id for b in blocks])
+
+    # -- pool size and layout (the pool does the work, tables follow) ------------------------------
+    @property
+    def max_num_blocks(self) -> int:
+        """The most blocks the pool may ever hold (above ``num_blocks`` for an elastic pool)."""
+        return max(self._max_blocks, self.pool.num_blocks)
+
+    def set_max_num_blocks(self, n: int) -> None:
+        self._max_blocks = n
+
+    def fragmentation(self) -> int:
+        """Referenced blocks at ids >= num_used_blocks (what ``compact`` would move)."""
+        return self.pool.fragmentation()
+
+    def compact(self) -> list[tuple[int, int]]:
+        """Move referenced blocks to the lowest ids (``BlockPool.compact``); tables follow.
+        Returns the (src, dst) moves to apply. Between steps only (no copy-on-write pending)."""
+        assert not self.cow.pending, "compact() between steps only (copy-on-write copies pending)"
+        remap = self.pool.compact()
+        if remap:
+            for table in self._tables.values():
+                for i, b in enumerate(table):
+                    table[i] = remap.get(b.block_id, b)
+        return [(s, d.block_id) for s, d in remap.items()]
+
+    def grow(self, n: int) -> None:
+        """Add ``n`` fresh blocks (ids num_blocks .. num_blocks + n - 1)."""
+        self.pool.grow(n)
+
+    def shrink(self, n: int) -> bool:
+        """Drop blocks ``n`` .. end if all are free (call ``compact`` first); False otherwise."""
+        return self.pool.shrink(n)
 
     def check_integrity(self) -> None:
         """Pool invariants, plus: each block's ref_cnt equals the number of tables holding it,
@@ -299,7 +377,9 @@ class KVCacheManager(SharingMixin, SwapMixin, CompactionMixin):
                     f"request {rid!r}: block {b.block_id} is cached under another hash")
             for b in table[len(hashes):]:
                 assert b.block_hash is None, f"request {rid!r}: unhashed position holds {b}"
-        assert self._hashes.keys() == self._tables.keys() | self._swapped.keys(), (
+        swapped = self.host.requests
+        assert not (swapped & self._tables.keys()), "a request is on both tiers"
+        assert self._hashes.keys() == self._tables.keys() | swapped, (
             "hash lists and tables disagree")
-        self._check_swap_integrity()
+        self.host.check_integrity()
         self.pool.check_integrity(refs)

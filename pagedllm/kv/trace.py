@@ -1,18 +1,21 @@
 """The allocation event trace: what the KV manager did, one JSON object per line, and its replay.
 
-Tracing is off by default; the manager then pays one ``is None`` check per operation. On
-(``LLM(kv_trace_path=FILE)``, ``--kv-trace FILE``), every manager-level operation is written as
-an *op* event, preceded by the *effect* events it caused::
+Tracing is off by default and then not there at all: ``attach`` wraps the manager's public
+mutating calls (each once, on that one instance) with recorders that call through and emit what
+the call did; a manager without a trace runs its plain methods. On (``LLM(kv_trace_path=FILE)``,
+``--kv-trace FILE``), every manager-level operation is written as an *op* event, preceded by the
+*effect* events it caused::
 
     {"op": "init", "step": 0, "num_blocks": 64, "block_size": 4, ...}          the fresh pool
-    {"op": "prefix_hit", "step": 3, "rid": "b", "blocks": [0, 1], "hashes": ["9f..", ".."]}
     {"op": "evict", "step": 3, "block": 7, "hash": "c1.."}                      effects ...
+    {"op": "prefix_hit", "step": 3, "rid": "b", "blocks": [0, 1], "hashes": ["9f..", ".."]}
     {"op": "allocate", "step": 3, "rid": "b", "num_tokens": 9, "prefix": [0, 1], "ok": true,
      "new": [7]}                                                                ... then the op
 
 Ops (re-executed by ``replay``): allocate, cache (block ids + hash values, with the tokens
 needed to recompute them), free, fork, take_copies, swap_out, swap_in, compact, grow, shrink,
-reset_prefix_cache. Effects (checked, not executed): prefix_hit, cow_copy, evict.
+reset_prefix_cache. Effects (checked, not executed): evict (the pool's ``on_evict`` hook),
+prefix_hit, cow_copy. ``step`` is the scheduler's step count (the tracer's ``clock``).
 
 ``replay(path)`` builds a fresh ``KVCacheManager`` from the init line (pure Python, no torch),
 re-executes every op with a tracer of its own attached, and requires that the events it emits
@@ -23,16 +26,14 @@ recorded ones, and that ``check_integrity()`` holds after each op. A mismatch ra
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
-from pagedllm.kv.block_pool import hash_hex
-
-if TYPE_CHECKING:
-    from pagedllm.kv.block_pool import KVBlock
-    from pagedllm.kv.manager import KVCacheManager
+from pagedllm.kv.block_pool import KVBlock, hash_hex
+from pagedllm.kv.manager import KVCacheManager, PrefixHit
 
 OPS = frozenset({"allocate", "cache", "free", "fork", "take_copies", "swap_out", "swap_in",
                  "compact", "grow", "shrink", "reset_prefix_cache"})
@@ -41,17 +42,20 @@ EFFECTS = frozenset({"prefix_hit", "cow_copy", "evict"})
 
 class KVTracer:
     """Collects events: to a JSONL file (line-buffered, so a reader sees whole lines while the
-    engine runs) or, with ``path=None``, to ``self.events`` in memory. The engine sets ``step``."""
+    engine runs) or, with ``path=None``, to ``self.events`` in memory. Each event is stamped
+    with ``clock()`` (the engine passes the scheduler's step count), else with ``self.step``."""
 
-    def __init__(self, path: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path | None = None,
+                 clock: Callable[[], int] | None = None) -> None:
         self.step = 0
+        self.clock = clock
         self.events: list[dict[str, Any]] = []
         self._file: IO[str] | None = None
         if path is not None:
             self._file = open(path, "w", buffering=1)  # noqa: SIM115 - closed by close()
 
     def emit(self, op: str, **fields: Any) -> None:
-        event = {"op": op, "step": self.step, **fields}
+        event = {"op": op, "step": self.step if self.clock is None else self.clock(), **fields}
         if self._file is None:
             self.events.append(event)
         else:
@@ -67,14 +71,120 @@ class KVTracer:
             self._file = None
 
 
+# -- recorders: (manager, tracer, the plain method, *its arguments) -> its result ----------------
+def _allocate(kv: KVCacheManager, t: KVTracer, call: Callable[..., bool], request_id: str,
+              num_total_tokens: int, prefix: PrefixHit | None = None) -> bool:
+    had = kv.has_request(request_id)
+    hit = list(prefix.blocks) if prefix is not None else []
+    start = len(kv.block_table(request_id)) if had else len(hit)
+    copies = len(kv.cow.pending)
+    ok = call(request_id, num_total_tokens, prefix)
+    if ok and not had and hit:
+        hashes = [kv.pool.blocks[i].block_hash for i in hit]
+        t.emit("prefix_hit", rid=request_id, blocks=hit,
+               hashes=[hash_hex(h.value) for h in hashes if h is not None])
+    for src, dst in kv.cow.pending[copies:]:
+        t.emit("cow_copy", rid=request_id, src=src, dst=dst)
+    t.emit("allocate", rid=request_id, num_tokens=num_total_tokens, prefix=hit, ok=ok,
+           new=kv.block_table(request_id)[start:] if ok else [])
+    return ok
+
+
+def _cache(kv: KVCacheManager, t: KVTracer, call: Callable[..., None], request_id: str,
+           token_ids: Sequence[int], num_computed_tokens: int,
+           extra_keys: tuple | None = None) -> None:
+    start = len(kv.block_hashes(request_id))
+    call(request_id, token_ids, num_computed_tokens, extra_keys)
+    if not kv.has_request(request_id):
+        return
+    hashes = kv.block_hashes(request_id)
+    if len(hashes) > start:
+        bs = kv.block_size
+        t.emit("cache", rid=request_id, start=start,
+               tokens=list(token_ids[start * bs:len(hashes) * bs]),
+               blocks=kv.block_table(request_id)[start:len(hashes)],
+               hashes=[hash_hex(h.value) for h in hashes[start:]],
+               **({} if extra_keys is None else {"extra_keys": list(extra_keys)}))
+
+
+def _free(kv: KVCacheManager, t: KVTracer, call: Callable[..., None], request_id: str) -> None:
+    held, swapped = kv.has_request(request_id), kv.is_swapped(request_id)
+    if held or swapped:
+        t.emit("free", rid=request_id, blocks=kv.block_table(request_id) if held else [],
+               swapped=swapped)
+    call(request_id)
+
+
+def _fork(kv: KVCacheManager, t: KVTracer, call: Callable[..., None], parent_id: str,
+          child_id: str, num_tokens: int) -> None:
+    call(parent_id, child_id, num_tokens)
+    t.emit("fork", parent=parent_id, child=child_id, num_tokens=num_tokens,
+           blocks=kv.block_table(child_id))
+
+
+def _take_copies(kv: KVCacheManager, t: KVTracer,
+                 call: Callable[[], list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    copies = call()
+    if copies:
+        t.emit("take_copies", copies=[list(c) for c in copies])
+    return copies
+
+
+def _pairs(op: str) -> Callable[..., list[tuple[int, int]] | None]:
+    """Recorder of swap_out / swap_in: the pairs planned, or None when refused."""
+    def record(kv: KVCacheManager, t: KVTracer, call: Callable[[str], Any],
+               request_id: str) -> list[tuple[int, int]] | None:
+        pairs = call(request_id)
+        t.emit(op, rid=request_id, pairs=None if pairs is None else [list(p) for p in pairs])
+        return pairs  # type: ignore[no-any-return]
+    return record
+
+
+def _compact(kv: KVCacheManager, t: KVTracer,
+             call: Callable[[], list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    moves = call()
+    t.emit("compact", moves=[list(m) for m in moves])
+    return moves
+
+
+def _grow(kv: KVCacheManager, t: KVTracer, call: Callable[[int], None], n: int) -> None:
+    call(n)
+    t.emit("grow", n=n)
+
+
+def _shrink(kv: KVCacheManager, t: KVTracer, call: Callable[[int], bool], n: int) -> bool:
+    ok = call(n)
+    t.emit("shrink", n=n, ok=ok)
+    return ok
+
+
+def _reset(kv: KVCacheManager, t: KVTracer, call: Callable[[], bool]) -> bool:
+    ok = call()
+    t.emit("reset_prefix_cache", ok=ok)
+    return ok
+
+
+RECORDERS: dict[str, Callable[..., Any]] = {
+    "allocate_slots": _allocate, "cache_blocks": _cache, "free": _free, "fork": _fork,
+    "take_block_copies": _take_copies, "swap_out": _pairs("swap_out"),
+    "swap_in": _pairs("swap_in"), "compact": _compact, "grow": _grow, "shrink": _shrink,
+    "reset_prefix_cache": _reset,
+}
+
+
 def attach(kv: KVCacheManager, tracer: KVTracer) -> None:
-    """Start tracing ``kv`` (which must hold no blocks yet: replay starts from a fresh pool)."""
-    if kv._tables or kv._swapped or kv.pool.cached:
+    """Start tracing ``kv`` (which must hold no blocks yet: replay starts from a fresh pool):
+    each public mutating call of this instance is replaced by its recorder around the plain
+    method, and the pool reports evictions."""
+    if kv.num_requests or kv.pool.num_cached_blocks:
         raise ValueError("attach a KV trace to a fresh manager (no requests, nothing cached)")
+    if kv.tracer is not None:
+        raise ValueError("this KV manager is traced already")
     tracer.emit("init", num_blocks=kv.num_blocks, block_size=kv.block_size,
                 enable_prefix_caching=kv.enable_prefix_caching,
-                num_host_blocks=kv.num_host_blocks,
-                **({"contiguous_urgent": True} if kv.contiguous_urgent else {}))
+                num_host_blocks=kv.host.num_blocks)
+    for name, record in RECORDERS.items():
+        setattr(kv, name, functools.partial(record, kv, tracer, getattr(kv, name)))
     kv.tracer = tracer
     kv.pool.on_evict = tracer.on_evict
 
@@ -97,15 +207,12 @@ def load(path: str | Path) -> list[dict[str, Any]]:
 def replay(trace: str | Path | Iterable[dict[str, Any]]) -> KVCacheManager:
     """Re-execute a trace on a fresh manager; returns it (in its final state). Raises
     ``TraceMismatch`` at the first event that the replay does not reproduce exactly."""
-    from pagedllm.kv.manager import KVCacheManager
-
     events = load(trace) if isinstance(trace, (str, Path)) else list(trace)
     if not events or events[0].get("op") != "init":
         raise TraceMismatch("line 1: a trace starts with an 'init' event")
     init = events[0]
     kv = KVCacheManager(init["num_blocks"], init["block_size"], init["enable_prefix_caching"],
-                        num_host_blocks=init["num_host_blocks"],
-                        contiguous_urgent=init.get("contiguous_urgent", False))
+                        num_host_blocks=init["num_host_blocks"])
     mine = KVTracer()
     attach(kv, mine)
     mine.events.clear()
@@ -138,13 +245,11 @@ def replay(trace: str | Path | Iterable[dict[str, Any]]) -> KVCacheManager:
 
 
 def _execute(kv: KVCacheManager, ev: dict[str, Any]) -> None:
-    from pagedllm.kv.manager import PrefixHit
-
     op = ev["op"]
     if op == "allocate":
         prefix = ev["prefix"]
         hit = PrefixHit(prefix, len(prefix) * kv.block_size) if prefix else None
-        kv.allocate_slots(ev["rid"], ev["num_tokens"], hit, urgent=ev.get("urgent", False))
+        kv.allocate_slots(ev["rid"], ev["num_tokens"], hit)
     elif op == "cache":
         # blocks before ``start`` are hashed already (the chain is on the request): pad them
         bs = kv.block_size
@@ -187,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     ops = Counter(e["op"] for e in load(args[0]))
     print(f"replayed {sum(ops.values())} events exactly ({dict(ops)}); final pool: "
-          f"{kv.num_blocks} blocks, {kv.num_free_blocks} free, {len(kv.pool.cached)} cached")
+          f"{kv.num_blocks} blocks, {kv.num_free_blocks} free, {kv.pool.num_cached_blocks} cached")
     return 0
 
 

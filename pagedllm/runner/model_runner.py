@@ -28,7 +28,7 @@ from pagedllm.runner.cuda_graph import DecodeGraphs
 from pagedllm.runner.kv_cache import KVCache
 from pagedllm.runner.memory import MemoryProfile, MemoryProfiler, profile_memory
 from pagedllm.runner.penalties import PenaltyCounts
-from pagedllm.scheduler import ScheduledRequest, SchedulerOutput
+from pagedllm.sched.output import ScheduledRequest, SchedulerOutput
 
 logger = init_logger(__name__)
 

@@ -23,7 +23,7 @@ from pagedllm.bench.workload import (
 )
 from pagedllm.cli import main
 from pagedllm.config import SchedulerConfig
-from pagedllm.scheduler import Scheduler
+from pagedllm.sched import Scheduler
 
 MML = 64  # max_model_len for every engine here
 SMALL = ["--num-prompts", "6", "--prompt-median", "8", "--output-median", "6",

@@ -187,64 +187,10 @@ def test_bad_num_blocks() -> None:
 
 
 def test_importing_kv_does_not_import_torch() -> None:
-    code = ("import sys, pagedllm.kv, pagedllm.kv.plan, pagedllm.scheduler; "
+    code = ("import sys, pagedllm.kv, pagedllm.kv.plan, pagedllm.sched; "
             "assert 'torch' not in sys.modules, 'kv imported torch'")
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          cwd=root, timeout=60)
     assert res.returncode == 0, res.stderr
-
-
-# -- contiguous runs for the urgent class (get_new_blocks(contiguous=True)) ----------------------
-def test_contiguous_continues_after_the_tables_last_block() -> None:
-    pool = BlockPool(10)
-    a = pool.get_new_blocks(4)  # 0 1 2 3
-    pool.free_blocks([a[2], a[0]])  # queue: 4..9, 2, 0
-    got = pool.get_new_blocks(2, contiguous=True, after=a[1])
-    # 2 follows 1; 3 is held, so a new run starts in the free run 4..9, RUN_GAP-style
-    # skipping min(4, (6 - 1) // 2) = 2 blocks so that 3's holder can still grow into 4, 5
-    assert ids(got) == [2, 6]
-    assert pool.free_queue.ids() == [4, 5, 7, 8, 9, 0]
-    pool.check_integrity({1: 1, 2: 1, 3: 1, 6: 1})
-
-
-def test_contiguous_starts_a_run_long_enough_when_the_head_is_isolated() -> None:
-    pool = BlockPool(10)
-    a = pool.get_new_blocks(10)
-    pool.free_blocks([a[1], a[3], a[6], a[7], a[8], a[4]])  # queue: 1 3 6 7 8 4 (1, 3, 4 short runs)
-    got = pool.get_new_blocks(3, contiguous=True)
-    assert ids(got) == [6, 7, 8]
-    assert pool.free_queue.ids() == [1, 3, 4]
-    # with no run long enough, the longest seen wins (3-4), then the LRU head
-    assert ids(pool.get_new_blocks(3, contiguous=True)) == [3, 4, 1]
-    pool.check_integrity({i: 1 for i in range(10)})
-
-
-def test_contiguous_takes_a_cached_block_from_mid_queue_and_evicts_its_hash() -> None:
-    pool = BlockPool(6)
-    a = pool.get_new_blocks(3)
-    assert pool.cache_block(a[1], bh(11))
-    pool.free_blocks([a[1]])  # queue: 3 4 5 1 (1 cached)
-    evicted: list[int] = []
-    pool.on_evict = lambda b: evicted.append(b.block_id)
-    got = pool.get_new_blocks(1, contiguous=True, after=a[0])
-    assert ids(got) == [1] and got[0].block_hash is None and evicted == [1]
-    assert pool.cached == {} and pool.free_queue.ids() == [3, 4, 5]
-    pool.check_integrity({0: 1, 1: 1, 2: 1})
-
-
-def test_contiguous_off_is_the_lru_path() -> None:
-    pool = BlockPool(6)
-    a = pool.get_new_blocks(4)
-    pool.free_blocks([a[3], a[1]])  # queue: 4 5 3 1
-    assert ids(pool.get_new_blocks(2, after=a[0])) == [4, 5]  # `after` alone changes nothing
-
-
-def test_contiguous_scan_is_bounded() -> None:
-    pool = BlockPool(100)
-    a = pool.get_new_blocks(100)
-    # 40 isolated free blocks first in the queue, then a long run beyond the scan window
-    pool.free_blocks([a[i] for i in range(0, 80, 2)] + [a[i] for i in range(90, 100)])
-    assert ids(pool.get_new_blocks(2, contiguous=True))[0] == 0  # run 90.. is not seen
-    assert BlockPool.RUN_SCAN < 40

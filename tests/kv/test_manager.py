@@ -312,20 +312,3 @@ def test_manager_check_integrity_catches_wrong_ref_counts() -> None:
 def test_bad_block_size() -> None:
     with pytest.raises(ValueError, match="block_size must be positive"):
         KVCacheManager(10, 0)
-
-
-def test_contiguous_urgent_extends_the_table_with_the_next_ids() -> None:
-    def run(contiguous: bool, urgent: bool) -> tuple[list[int], list[int]]:
-        m = KVCacheManager(10, 4, enable_prefix_caching=False, contiguous_urgent=contiguous)
-        assert m.allocate_slots("a", 4, urgent=urgent)  # [0]
-        assert m.allocate_slots("b", 8)  # [1, 2]
-        m.free("b")  # queue: 3..9, 2, 1
-        assert m.allocate_slots("a", 12, urgent=urgent)
-        assert m.allocate_slots("c", 4, urgent=urgent)
-        m.check_integrity()
-        return m.block_table("a"), m.block_table("c")
-
-    # c starts a run in 3..9 after a gap of min(RUN_GAP, (7 - 1) // 2) = 3 blocks: a can grow
-    assert run(contiguous=True, urgent=True) == ([0, 1, 2], [6])
-    assert run(contiguous=False, urgent=True) == ([0, 3, 4], [5])  # option off: LRU order
-    assert run(contiguous=True, urgent=False) == ([0, 3, 4], [5])  # not urgent: LRU order

@@ -25,10 +25,9 @@ TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=12)  # tiny alphabet: 
 
 class KVMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 12),
-                caching=st.booleans(), contiguous=st.booleans())
-    def setup(self, block_size: int, num_blocks: int, caching: bool, contiguous: bool) -> None:
-        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching,
-                                contiguous_urgent=contiguous)
+                caching=st.booleans())
+    def setup(self, block_size: int, num_blocks: int, caching: bool) -> None:
+        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
         self.bs = block_size
         self.tokens: dict[str, list[int]] = {}  # running requests
         self.computed: dict[str, int] = {}
@@ -48,8 +47,7 @@ class KVMachine(RuleBasedStateMachine):
         free = self.m.num_free_blocks
         needed = self.m.num_blocks_needed(rid, total, prefix)
         old = self.m.block_table(rid) if self.m.has_request(rid) else []
-        urgent = int(rid[1:]) % 2 == 0  # even ids are urgent: contiguous runs when enabled
-        ok = self.m.allocate_slots(rid, total, prefix, urgent=urgent)
+        ok = self.m.allocate_slots(rid, total, prefix)
         assert ok == (needed <= free)
         if not ok:
             assert self.snapshot() == before, "a failed allocate_slots changed state"

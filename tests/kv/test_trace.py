@@ -118,18 +118,3 @@ def test_manager_trace_grow_compact_shrink_in_memory() -> None:
 def test_tracing_is_off_by_default(tiny_models: dict[str, Path]) -> None:
     llm = LLM(model=str(tiny_models["llama"]), block_size=4, num_kv_blocks=40, max_model_len=128)
     assert llm.engine.kv.tracer is None and llm.engine.kv.pool.on_evict is None
-
-
-def test_manager_trace_replays_contiguous_urgent_allocations() -> None:
-    kv = KVCacheManager(10, 4, contiguous_urgent=True)
-    tracer = KVTracer()
-    attach(kv, tracer)
-    assert kv.allocate_slots("a", 4, urgent=True)
-    assert kv.allocate_slots("b", 8)
-    kv.free("b")  # queue: 3..9, 2, 1
-    assert kv.allocate_slots("a", 12, urgent=True)
-    assert kv.block_table("a") == [0, 1, 2]  # not the LRU order [0, 3, 4]
-    assert tracer.events[0]["contiguous_urgent"] is True
-    assert [e.get("urgent") for e in tracer.events if e["op"] == "allocate"] == [True, None, True]
-    out = replay(tracer.events)
-    assert out.block_table("a") == [0, 1, 2]

@@ -14,7 +14,8 @@ Order of a step:
   1. running requests, most urgent first, each gets the tokens it needs (capped by the budget);
      when the KV pool has no block for one, the least urgent running request (highest priority
      value, latest arrival) is preempted (recompute: blocks freed, back to the waiting queue;
-     swap: blocks copied to the host tier, see ``pagedllm.kv.swap``);
+     swap: blocks copied to the host tier, see ``pagedllm.kv.host_tier``; which of the two:
+     ``pagedllm.sched.preemption``);
   2. if nothing was preempted for memory, swapped-out and waiting requests are admitted, most
      urgent first, while budget, ``max_num_seqs`` and free blocks allow, reusing cached prefix
      blocks. A request that cannot be admitted preempts running requests that are strictly less
@@ -29,16 +30,16 @@ import logging
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.kv.manager import KVCacheManager, PrefixHit
-from pagedllm.kv.swap import PreemptionCost
 from pagedllm.request import Request, RequestStatus
-from pagedllm.scheduler_memory import PreemptionMixin, ScheduledRequest, SchedulerOutput
+from pagedllm.sched.output import ScheduledRequest, SchedulerOutput
+from pagedllm.sched.preemption import PreemptionCost, choose_preemption
 
 __all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput"]
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(PreemptionMixin):
+class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
@@ -47,6 +48,7 @@ class Scheduler(PreemptionMixin):
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.swapped: list[Request] = []  # preempted to the host tier, kept sorted by sort_key
+        self.num_steps = 0  # schedule() calls: the step number (stamps the KV trace)
         self.num_preemptions = 0
         # by mechanism (recompute, swap) and, separately, how many were for a more urgent request
         self.preemptions_by_kind: dict[str, int] = {"recompute": 0, "swap": 0, "priority": 0}
@@ -151,7 +153,7 @@ class Scheduler(PreemptionMixin):
             need = self.kv.num_blocks_needed(req.request_id, total, prefix)
             if need > self.kv.num_free_blocks - self.reserved_blocks:
                 return False
-        return self.kv.allocate_slots(req.request_id, total, prefix, urgent=self.is_urgent(req))
+        return self.kv.allocate_slots(req.request_id, total, prefix)
 
     def _wanted(self, req: Request) -> int:
         """Tokens ``req`` would compute now: all that are left, except that a parent with pending
@@ -167,6 +169,7 @@ class Scheduler(PreemptionMixin):
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -243,11 +246,95 @@ class Scheduler(PreemptionMixin):
             out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
             budget -= n
 
-    def _next_arrival(self) -> int:
-        return next(self._arrivals)
-
     def _insert_running(self, req: Request) -> None:
         bisect.insort(self.running, req, key=lambda r: r.sort_key)
+
+    # -- preemption, swap-in, forks -------------------------------------------------------------
+    def _preempt(self, req: Request, out: SchedulerOutput, for_priority: bool = False) -> None:
+        """Swap the victim to the host tier or free it for recompute (``preemption_mode``)."""
+        self.running.remove(req)
+        rid = req.request_id
+        how, why = choose_preemption(self.config.preemption_mode, self.cost_model,
+                                     req.num_computed_tokens, len(self.kv.block_table(rid)),
+                                     self.kv.num_free_host_blocks)
+        pairs = self.kv.swap_out(rid) if how == "swap" else None
+        if pairs is not None:
+            out.swap_out.extend(pairs)
+            bisect.insort(self.swapped, req, key=lambda r: r.sort_key)
+        else:
+            how = "recompute"
+            self.kv.free(rid)
+            req.num_computed_tokens = 0
+            heapq.heappush(self.waiting, (req.sort_key, req))
+        logger.info("preempt %s by %s: %s", rid, how, why)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        out.preempted.append(rid)
+        self.num_preemptions += 1
+        self.preemptions_by_kind[how] += 1
+        self.preemptions_by_kind["priority"] += for_priority
+
+    def _preempt_for(self, req: Request, out: SchedulerOutput) -> int | None:
+        """Preempt the least urgent running request if it is strictly less urgent than ``req``.
+        Returns the tokens it had been scheduled this step (refunded), or None if no victim."""
+        if not self.running or self.running[-1].priority <= req.priority:
+            return None
+        victim = self.running[-1]
+        refund = 0
+        for j, s in enumerate(out.scheduled):
+            if s.request is victim:
+                refund = out.scheduled.pop(j).num_new_tokens
+                break
+        logger.info("preempting %s (priority %d) for %s (priority %d)", victim.request_id,
+                    victim.priority, req.request_id, req.priority)
+        self._preempt(victim, out, for_priority=True)
+        return refund
+
+    def _swap_in(self, req: Request, out: SchedulerOutput, budget: int) -> int | None:
+        """Bring a swapped request back (and schedule it if it can); tokens used, or None."""
+        need = self.kv.host.num_blocks_of(req.request_id)
+        reserve = 0 if self.is_urgent(req) or not self.running else self.reserved_blocks
+        if need > self.kv.num_free_blocks - reserve:
+            return None
+        pairs = self.kv.swap_in(req.request_id)
+        assert pairs is not None
+        out.swap_in.extend(pairs)
+        self.swapped.remove(req)
+        req.status = RequestStatus.RUNNING
+        self._insert_running(req)
+        n = min(self._wanted(req), budget)
+        if n <= 0 or not self._try_allocate(req, req.num_computed_tokens + n):
+            return 0  # running again; scheduled from the next step
+        out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
+        return n
+
+    def _seats_taken(self) -> int:
+        """Running requests plus the pending forks of running parents."""
+        pending = sum(len(f) for p, f in self._forks.items()
+                      if self.requests[p].status == RequestStatus.RUNNING)
+        return len(self.running) + pending
+
+    def _fork_children(self, parent: Request) -> None:
+        """Give each pending child the parent's blocks for all but the last prompt token."""
+        point = parent.num_prompt_tokens - 1
+        for child in self._forks.pop(parent.request_id):
+            del self._fork_parent[child.request_id]
+            self.kv.fork(parent.request_id, child.request_id, point)
+            child.num_computed_tokens = point
+            child.status = RequestStatus.RUNNING
+            self._insert_running(child)
+
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Start ``child`` (e.g. a beam) running on ``parent``'s computed blocks, by reference.
+        ``child.token_ids`` must extend ``parent``'s first ``num_computed_tokens`` tokens."""
+        if child.request_id in self.requests:
+            raise ValueError(f"request_id {child.request_id!r} is already in use")
+        self.kv.fork(parent.request_id, child.request_id, parent.num_computed_tokens)
+        child.arrival_seq = next(self._arrivals)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self._insert_running(child)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed counts, append sampled tokens, fork n > 1 children, apply

@@ -1,0 +1,13 @@
+"""Scheduling: which requests run each step, with how many tokens, and what KV moves that needs.
+
+Pure Python (never imports torch), like ``pagedllm.kv`` below it::
+
+    scheduler.py    batching under the token budget, priorities, preemption, forks
+    preemption.py   recompute or swap for one victim, and the cost model behind "auto"
+    output.py       SchedulerOutput: the only thing the runner is told
+"""
+
+from pagedllm.sched.output import ScheduledRequest, SchedulerOutput
+from pagedllm.sched.scheduler import Scheduler
+
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
