@@ -9,22 +9,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "__version__"]
 
 _LAZY = {
-    "LLM": "pagedllm.engine",
-    "LLMEngine": "pagedllm.engine",
+    "LLM": "pagedllm.entrypoints.llm",
+    "LLMEngine": "pagedllm.engine.core",
     "EngineArgs": "pagedllm.args",
     "SamplingParams": "pagedllm.sampling_params",
+    "RequestOutputKind": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
 }
 
 if TYPE_CHECKING:
     from pagedllm.args import EngineArgs
-    from pagedllm.engine import LLM, LLMEngine
+    from pagedllm.engine.core import LLMEngine
+    from pagedllm.entrypoints.llm import LLM
     from pagedllm.outputs import CompletionOutput, RequestOutput
-    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def __getattr__(name: str) -> Any:

@@ -358,3 +358,9 @@ class EngineConfig:
     @property
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
+
+    @property
+    def kv_sized_by_profile(self) -> bool:
+        """On CUDA without an explicit size, the KV pool is what a memory profile leaves."""
+        c = self.cache
+        return self.is_cuda and c.num_kv_blocks is None and c.kv_cache_memory is None

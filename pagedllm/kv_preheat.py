@@ -1,33 +1,14 @@
-"""Warm-up prompt files and the KV statistics dict (``LLM.kv_stats()``). No torch."""
+"""The KV statistics dict (``LLM.kv_stats()``) and the elastic-pool / compaction controller.
+No torch."""
 
 from __future__ import annotations
 
-import json
 import weakref
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedllm.kv.manager import KVCacheManager
     from pagedllm.sched import Scheduler
-
-
-def load_prompts(path: str) -> list[str | list[int]]:
-    """One prompt per non-empty line: a JSON list of token ids, or text (JSON-quoted or raw)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"preheat_prompts={path!r} is not a file; pass a list of prompts or a "
-                         "file with one prompt per line")
-    out: list[str | list[int]] = []
-    for line in p.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            v = json.loads(line)
-        except json.JSONDecodeError:
-            v = line
-        out.append(v if isinstance(v, (list, str)) else line)
-    return out
 
 
 def kv_utilization(sched: Scheduler, kv: KVCacheManager) -> float:

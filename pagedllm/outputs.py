@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedllm.request import PositionLogprobs
 
@@ -40,3 +40,24 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+
+    def add(self, delta: RequestOutput) -> None:
+        """Fold the next DELTA output of this request into this one, which then holds everything
+        so far, as a CUMULATIVE output would."""
+        mine = {c.index: c for c in self.outputs}
+        for d in delta.outputs:
+            c = mine.get(d.index)
+            if c is None:
+                lps = None if d.logprobs is None else list(d.logprobs)
+                self.outputs.append(replace(d, token_ids=list(d.token_ids), logprobs=lps))
+                continue
+            c.text += d.text
+            c.token_ids.extend(d.token_ids)
+            if c.logprobs is not None and d.logprobs is not None:
+                c.logprobs.extend(d.logprobs)
+            c.cumulative_logprob, c.finish_reason = d.cumulative_logprob, d.finish_reason
+            c.stop_reason = d.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.finished, self.metrics = delta.finished, delta.metrics

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request carries (vLLM's names)."""
+
+    CUMULATIVE = "cumulative"  # everything so far, every step the request produced a token
+    DELTA = "delta"  # only the text, tokens and logprobs new since the request's last output
+    FINAL_ONLY = "final_only"  # one output, when the request finishes
 
 
 @dataclass
@@ -13,6 +22,8 @@ class SamplingParams:
     generated token, the k most likely tokens plus the chosen one (raw model log-probabilities,
     before penalties and temperature). prompt_logprobs=k does the same for prompt tokens (such
     requests bypass prefix-cache hits, since the logits of cached positions are not recomputed).
+    ``output_kind``: see ``RequestOutputKind`` (``LLM.generate`` asks for FINAL_ONLY, the server
+    for DELTA).
     """
 
     n: int = 1
@@ -33,6 +44,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         stop: object = self.stop

@@ -137,7 +137,7 @@ fi
 
 # -- kernel bench ------------------------------------------------------------------------------
 if want kernel && ((HAVE_TRITON)); then
-    run_step kernel 200 "$PY" -m pagedllm.cli bench kernel --device cuda --rounds 3 --iters 10 \
+    run_step kernel 200 "$PY" -m pagedllm.entrypoints.cli bench kernel --device cuda --rounds 3 --iters 10 \
         --output-dir "$OUT"
 fi
 
@@ -146,7 +146,7 @@ if want model; then
     if [[ -f "$MODEL_DIR/config.json" && -f "$MODEL_DIR/model.safetensors" ]]; then
         log "model: reusing $MODEL_DIR"
     else
-        run_step random-model 150 "$PY" -m pagedllm.cli bench random-model "$MODEL_DIR" \
+        run_step random-model 150 "$PY" -m pagedllm.entrypoints.cli bench random-model "$MODEL_DIR" \
             --preset 1b --device cuda
     fi
 fi
@@ -159,13 +159,13 @@ if want throughput; then
         backends=hf
         ((HAVE_TRITON)) && backends=pagedllm,hf
         # HF shares the GPU with the engine in one process: leave it half of the memory
-        run_step throughput 300 "$PY" -m pagedllm.cli bench throughput "${TP_ARGS[@]}" \
+        run_step throughput 300 "$PY" -m pagedllm.entrypoints.cli bench throughput "${TP_ARGS[@]}" \
             --backends "$backends" --hf-batch-size "$HF_BATCH" --gpu-memory-utilization 0.5 \
             --output-json "$OUT/throughput.json"
     fi
 fi
 if want eager && ((HAVE_TRITON)) && [[ -f "$MODEL_DIR/config.json" ]]; then
-    run_step throughput-eager 150 "$PY" -m pagedllm.cli bench throughput "${TP_ARGS[@]}" \
+    run_step throughput-eager 150 "$PY" -m pagedllm.entrypoints.cli bench throughput "${TP_ARGS[@]}" \
         --backends pagedllm --enforce-eager --output-json "$OUT/throughput-eager.json" --no-plot
 fi
 

@@ -24,12 +24,12 @@ def free_port() -> int:
 
 @contextmanager
 def serve_process(*args: str, timeout: float = 90) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """Start ``python -m pagedllm.cli serve ARGS --port P``; yield (process, base URL) once
+    """Start ``python -m pagedllm.entrypoints.cli serve ARGS --port P``; yield (process, base URL) once
     ``/health`` answers 200; kill the process on exit if it is still running."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDLLM_LOG_LEVEL": "WARNING"}
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.cli", "serve", *args, "--port", str(port)],
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *args, "--port", str(port)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     base = f"http://127.0.0.1:{port}"

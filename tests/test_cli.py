@@ -13,7 +13,7 @@ from pagedllm import LLM, SamplingParams
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     return subprocess.run(
-        [sys.executable, "-m", "pagedllm.cli", *args], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", *args], capture_output=True, text=True, env=env, timeout=300
     )
 
 

@@ -14,8 +14,8 @@ import pytest
 import pagedllm
 from pagedllm import LLM, SamplingParams
 from pagedllm.args import EngineArgs
-from pagedllm.cli import build_parser, main
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.entrypoints.cli import build_parser, main
 
 FIELDS = dataclasses.fields(EngineArgs)
 

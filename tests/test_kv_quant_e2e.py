@@ -78,7 +78,7 @@ def test_budget_holds_more_tokens_and_stats_say_so(tiny_models: dict[str, Path])
 
 
 def test_plan_shows_quantized_sizing(tiny_models: dict[str, Path]) -> None:
-    cmd = [sys.executable, "-m", "pagedllm.cli", "plan", "--model", str(tiny_models["llama"]),
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "plan", "--model", str(tiny_models["llama"]),
            "--kv-cache-memory", "1MiB", "--max-model-len", "256", "--kv-cache-dtype", "auto",
            "--v-cache-dtype", "int8"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}

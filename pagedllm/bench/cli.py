@@ -1,6 +1,6 @@
 """``pagedllm bench throughput | prefix | memory | block-size | kernel | serve | random-model``.
 
-Registered by ``pagedllm.cli``; everything heavy is imported inside the command functions.
+Registered by ``pagedllm.entrypoints.cli``; everything heavy is imported inside the command functions.
 """
 
 from __future__ import annotations

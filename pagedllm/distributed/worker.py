@@ -2,9 +2,10 @@
 
 Life of a worker::
 
-    start ── load this rank's weight shard, allocate its KV heads ──▶ send ("ready", pid, host)
+    start ── load this rank's weight shard ──▶ send ("ready", pid, host)
           ◀── ("connect",) ── join the gloo process group (all ranks at once)
           loop: ("step", input_ids, positions, meta)  forward; its all-reduces pair with rank 0's
+                ("init_kv_cache", num_blocks)          allocate this rank's KV heads
                 ("kv", method, arg)                    copy_blocks | swap_out | swap_in | resize
                 ("shutdown",)                          return
     on any error: send ("error", rank, traceback), exit non-zero
@@ -81,7 +82,7 @@ def make_process_group(store: Any, rank: int, size: int, host: str, timeout_s: f
 def worker_main(
     rank: int,
     config: EngineConfig,
-    num_blocks: int,
+    num_blocks: int | None,
     conn: Connection | tuple[str, int],
     store_addr: tuple[str, int],
     host: str,
@@ -109,7 +110,7 @@ def worker_main(
         raise
 
 
-def _serve(rank: int, config: EngineConfig, num_blocks: int, conn: Connection,
+def _serve(rank: int, config: EngineConfig, num_blocks: int | None, conn: Connection,
            store_addr: tuple[str, int], host: str, num_threads: int) -> None:
     import torch.distributed as dist
 
@@ -138,6 +139,8 @@ def _serve(rank: int, config: EngineConfig, num_blocks: int, conn: Connection,
                                  unpack_meta(meta, device))
             elif kind == "kv":
                 getattr(runner.kv_cache, msg[1])(msg[2])
+            elif kind == "init_kv_cache":
+                runner.init_kv_cache(msg[1])
             elif kind == "shutdown":
                 return
             else:

@@ -29,20 +29,21 @@ class UniProcExecutor(Executor):
     """The single-process executor: exactly the ModelRunner."""
 
 
-def make_executor(config: EngineConfig, num_blocks: int | None) -> Executor:
-    """``num_blocks`` None: profile memory first, then ``init_kv_cache`` (CUDA, one rank)."""
+def make_executor(config: EngineConfig) -> Executor:
+    """The executor with the weights loaded (and, where ``config.kv_sized_by_profile``, its
+    ``memory_profile``); the engine sizes the pool, then calls ``init_kv_cache``."""
     par = config.parallel
     if par.tensor_parallel_size == 1:
-        return UniProcExecutor(config, num_blocks)
-    if num_blocks is None:
+        return UniProcExecutor(config)
+    if config.kv_sized_by_profile:
         raise ValueError("tensor-parallel engines are sized from kv_cache_memory or num_kv_blocks")
     if par.distributed_executor_backend == "ray":
         from pagedllm.executor.ray_executor import RayExecutor
 
-        return RayExecutor(config, num_blocks)
+        return RayExecutor(config)
     from pagedllm.executor.multiproc import MultiprocExecutor
 
-    return MultiprocExecutor(config, num_blocks)
+    return MultiprocExecutor(config)
 
 
 __all__ = ["Executor", "UniProcExecutor", "make_executor"]

@@ -129,7 +129,7 @@ class MultiprocExecutor(Executor):
 
     tp: TPGroup  # always set here (ModelRunner's is optional)
 
-    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         par = config.parallel
         m = config.model
         self.world = n = par.tensor_parallel_size
@@ -150,15 +150,14 @@ class MultiprocExecutor(Executor):
                                          wait_for_workers=False)
         try:
             threads = max(1, (os.cpu_count() or 1) // n)
-            self.workers.extend(self._start_workers(config, num_blocks, (self.host, self._store.port), threads))
-            super().__init__(config, num_blocks, self.tp)  # rank 0's shard loads while theirs do
+            self.workers.extend(self._start_workers(config, (self.host, self._store.port), threads))
+            super().__init__(config, None, self.tp)  # rank 0's shard loads while theirs do
             self._await_ready()
             self._send(("connect",))
             self.tp.pg = make_process_group(self._store, 0, n, self.host, self.timeout_s)
         except BaseException:
             self.shutdown()
             raise
-        self.kv_cache = _BroadcastKV(self.kv_cache, self._send)  # type: ignore[assignment]
         logger.info("tensor parallel: %d ranks (%s backend): %s", n, par.distributed_executor_backend,
                     ", ".join(w.describe() for w in self.workers))
 
@@ -166,7 +165,12 @@ class MultiprocExecutor(Executor):
     def _driver_host(self) -> str:
         return "127.0.0.1"
 
-    def _start_workers(self, config: EngineConfig, num_blocks: int, store_addr: tuple[str, int],
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self._send(("init_kv_cache", num_blocks))
+        super().init_kv_cache(num_blocks)
+        self.kv_cache = _BroadcastKV(self.kv_cache, self._send)  # type: ignore[assignment]
+
+    def _start_workers(self, config: EngineConfig, store_addr: tuple[str, int],
                        threads: int) -> list[Worker]:
         ctx = multiprocessing.get_context("spawn")
         out: list[Worker] = []
@@ -174,7 +178,7 @@ class MultiprocExecutor(Executor):
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(
                 target=worker_main, name=f"pagedllm-tp{rank}", daemon=True,
-                args=(rank, config, num_blocks, theirs, store_addr, self.host, threads),
+                args=(rank, config, None, theirs, store_addr, self.host, threads),
             )
             proc.start()
             theirs.close()

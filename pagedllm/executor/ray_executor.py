@@ -38,7 +38,7 @@ class _RankActor:
 
         return str(ray.util.get_node_ip_address())
 
-    def run(self, rank: int, config: EngineConfig, num_blocks: int, addr: tuple[str, int],
+    def run(self, rank: int, config: EngineConfig, num_blocks: int | None, addr: tuple[str, int],
             store_addr: tuple[str, int], host: str, threads: int, authkey: bytes) -> None:
         worker_main(rank, config, num_blocks, addr, store_addr, host, threads, authkey)
 
@@ -80,7 +80,7 @@ class RayExecutor(MultiprocExecutor):
                      log_to_driver=True)
         return str(ray.util.get_node_ip_address())
 
-    def _start_workers(self, config: EngineConfig, num_blocks: int, store_addr: tuple[str, int],
+    def _start_workers(self, config: EngineConfig, store_addr: tuple[str, int],
                        threads: int) -> list[Worker]:
         import ray
 
@@ -104,7 +104,7 @@ class RayExecutor(MultiprocExecutor):
             host = ray.get(actor.node_ip.remote(), timeout=STARTUP_TIMEOUT_S)  # type: ignore[union-attr]
             actors[rank] = actor
             run: Any = actor.run
-            dones[rank] = run.remote(rank, config, num_blocks, listener.address, store_addr,
+            dones[rank] = run.remote(rank, config, None, listener.address, store_addr,
                                      host, threads, authkey)
         out: list[Worker] = []
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

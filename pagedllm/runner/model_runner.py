@@ -61,11 +61,11 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, num_blocks: int | None,
+    def __init__(self, config: EngineConfig, num_blocks: int | None = None,
                  tp: TPGroup | None = None) -> None:
-        """``num_blocks``: KV pool size; None on CUDA: profile memory first (``memory_profile``)
-        and wait for ``init_kv_cache``. ``tp``: this rank's tensor-parallel group; the model and
-        KV cache hold its heads only."""
+        """``num_blocks``: KV pool size; None: wait for ``init_kv_cache`` (after profiling memory
+        into ``memory_profile`` where ``config.kv_sized_by_profile``). ``tp``: this rank's
+        tensor-parallel group; the model and KV cache hold its heads only."""
         self.config = config
         self.tp = tp
         self.device = torch.device(config.device)
@@ -83,7 +83,7 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         self.backend = get_backend(config.attention_backend, str(self.device))
         self.uploader = Uploader(self.device)
-        profiler = MemoryProfiler(self.device) if num_blocks is None else None
+        profiler = MemoryProfiler(self.device) if config.kv_sized_by_profile else None
         if profiler is not None:
             profiler.start()
         self.model = load_model(config.model, self.backend, str(self.device), tp)
@@ -102,8 +102,7 @@ class ModelRunner:
         if profiler is not None:
             profiler.weights_loaded()
             self.memory_profile = profile_memory(self, profiler)
-        else:
-            assert num_blocks is not None
+        if num_blocks is not None:
             self.init_kv_cache(num_blocks)
 
     @property

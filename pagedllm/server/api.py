@@ -40,11 +40,12 @@ from pagedllm.server.protocol import (
 )
 from pagedllm.server.responses import (
     _SSE_HEADERS,
+    ChatChunks,
+    CompletionChunks,
     _chat_logprobs,
     _completion_logprobs,
-    _stream_chat,
-    _stream_completion,
     _usage,
+    stream_deltas,
 )
 from pagedllm.server.serving import (
     APIError,
@@ -142,8 +143,9 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
         index_of = {r: i for i, r in enumerate(ids)}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen = _stream_completion(srv, stream, rid, index_of, req.n, texts if req.echo else None,
-                                     req.logprobs, include_usage)
+            chunks = CompletionChunks(srv, rid, index_of, req.n, texts if req.echo else None,
+                                      req.logprobs)
+            gen = stream_deltas(srv, stream, chunks, include_usage)
             return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
             final = await srv.collect(request, stream)
@@ -190,7 +192,7 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
         stream, ids = await srv.submit(rid, [prompt], params, req.priority, "messages")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen = _stream_chat(srv, stream, rid, req.n, k, include_usage)
+            gen = stream_deltas(srv, stream, ChatChunks(srv, rid, req.n, k), include_usage)
             return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
             final = await srv.collect(request, stream)

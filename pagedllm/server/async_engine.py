@@ -67,11 +67,6 @@ class OutputStream:
     async def _iter(self) -> AsyncIterator[RequestOutput]:
         while self.pending:
             item = await self.queue.get()
-            # Outputs are cumulative: a reader that fell behind on a single request may skip to the
-            # newest one (deltas are taken against what was sent, not against the previous output).
-            while (len(self.pending) == 1 and isinstance(item, RequestOutput) and not item.finished
-                   and not self.queue.empty()):
-                item = self.queue.get_nowait()
             if isinstance(item, _Failed):
                 self.pending.discard(item.request_id)
                 raise item.error
@@ -302,7 +297,7 @@ class AsyncEngine:
         self._streams.clear()
         self._deliver(items)
         # Requests the engine still holds without a stream (should not happen) are freed too.
-        for rid in list(self.engine.groups):
+        for rid in self.engine.request_ids():
             try:
                 self.engine.abort_request(rid)
             except Exception:  # noqa: BLE001

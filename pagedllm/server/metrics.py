@@ -2,7 +2,7 @@
 
 Engine state (queue lengths, KV usage, prefix-cache and preemption counters) is read at scrape
 time by a custom collector, so it is always current, even when the engine is idle. Token counts
-and latencies are observed by the engine thread from the ``RequestOutput`` stream.
+and latencies are observed by the engine thread from the ``RequestOutput`` deltas.
 
 Every app gets its own ``CollectorRegistry``: several servers in one process do not clash.
 """
@@ -66,7 +66,6 @@ class _EngineStateCollector(Collector):
 class _Timing:
     arrival: float
     last_token: float | None = None
-    num_generated: int = 0
 
 
 class ServerMetrics:
@@ -102,8 +101,7 @@ class ServerMetrics:
             t = self._live.get(out.request_id)
             if t is None:
                 continue
-            n = sum(len(c.token_ids) for c in out.outputs)
-            new = n - t.num_generated
+            new = sum(len(c.token_ids) for c in out.outputs)  # the server's outputs are deltas
             if new > 0:
                 if t.last_token is None:
                     self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
@@ -111,11 +109,12 @@ class ServerMetrics:
                 else:
                     self.itl.labels(m).observe(now - t.last_token)
                 self.generation_tokens.labels(m).inc(new)
-                t.num_generated, t.last_token = n, now
+                t.last_token = now
+            for c in out.outputs:  # a sequence's finish reason comes once, in its last delta
+                if c.finish_reason is not None:
+                    self.request_success.labels(m, c.finish_reason).inc()
             if out.finished:
                 self.e2e.labels(m).observe(now - t.arrival)
-                for c in out.outputs:
-                    self.request_success.labels(m, c.finish_reason or "abort").inc()
                 del self._live[out.request_id]
 
     def render(self) -> bytes:

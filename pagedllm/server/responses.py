@@ -1,5 +1,7 @@
 """Response shaping for the OpenAI app: OpenAI-shaped logprobs and usage, server-sent events, and
-the streamed ``/v1/completions`` and ``/v1/chat/completions`` bodies.
+the streamed ``/v1/completions`` and ``/v1/chat/completions`` bodies: one delta loop
+(``stream_deltas``) over the engine's DELTA outputs, shaped per endpoint (``CompletionChunks``,
+``ChatChunks``).
 
 A stream yields only new text per choice, ends with ``data: [DONE]``, turns an engine failure into
 a final error event, and aborts its requests when it stops early (the client went away).
@@ -14,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pagedllm.outputs import CompletionOutput
+from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.server.async_engine import EngineError, OutputStream
 from pagedllm.server.protocol import (
     ChatChunkChoice,
@@ -101,81 +103,95 @@ def _error_event(e: BaseException) -> str:
     return _sse(body) + "data: [DONE]\n\n"
 
 
-async def _stream_completion(srv: _Server, stream: OutputStream, rid: str, index_of: dict[str, int], n: int,
-                             echo: list[str] | None, logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
-    created = int(time.time())
-    sent_text: dict[int, int] = {}
-    sent_tok: dict[int, int] = {}
-    done: set[int] = set()
-    prompt_tokens: dict[int, int] = {}
+class _Chunks:
+    """How one endpoint shapes a stream: the chunks before the first delta, one chunk per delta
+    of a choice (``offset``: characters of that choice sent before; ``first``: its first
+    chunk), and the usage chunk."""
+
+    def __init__(self, srv: _Server, rid: str) -> None:
+        self.srv, self.rid, self.created = srv, rid, int(time.time())
+
+    def head(self) -> list[BaseModel]:
+        return []
+
+    def choice(self, out: RequestOutput, c: CompletionOutput, offset: int,
+               first: bool) -> BaseModel:
+        raise NotImplementedError
+
+    def usage(self, usage: UsageInfo) -> BaseModel:
+        raise NotImplementedError
+
+
+class CompletionChunks(_Chunks):
+    def __init__(self, srv: _Server, rid: str, index_of: dict[str, int], n: int,
+                 echo: list[str] | None, logprobs: int | None) -> None:
+        super().__init__(srv, rid)
+        self.index_of, self.n, self.echo, self.logprobs = index_of, n, echo, logprobs
+
+    def _response(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> BaseModel:
+        return CompletionResponse(id=self.rid, created=self.created, model=self.srv.model_name,
+                                  choices=choices, usage=usage)
+
+    def choice(self, out: RequestOutput, c: CompletionOutput, offset: int,
+               first: bool) -> BaseModel:
+        p = self.index_of[out.request_id]
+        text = c.text
+        if first and self.echo is not None:
+            text = self.echo[p] + text
+        lp = None
+        if self.logprobs is not None:
+            lp = _completion_logprobs(c, 0, len(c.token_ids), self.logprobs, offset)
+        return self._response([CompletionChoice(index=p * self.n + c.index, text=text, logprobs=lp,
+                                                finish_reason=c.finish_reason,
+                                                stop_reason=c.stop_reason)])
+
+    def usage(self, usage: UsageInfo) -> BaseModel:
+        return self._response([], usage)
+
+
+class ChatChunks(_Chunks):
+    def __init__(self, srv: _Server, rid: str, n: int, k: int | None) -> None:
+        super().__init__(srv, rid)
+        self.n, self.k = n, k
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> BaseModel:
+        return ChatCompletionChunk(id=self.rid, created=self.created, model=self.srv.model_name,
+                                   choices=choices, usage=usage)
+
+    def head(self) -> list[BaseModel]:
+        return [self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                             for i in range(self.n)])]
+
+    def choice(self, out: RequestOutput, c: CompletionOutput, offset: int,
+               first: bool) -> BaseModel:
+        lp = _chat_logprobs(c, 0, len(c.token_ids), self.k) if self.k is not None else None
+        return self._chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text),
+                                            logprobs=lp, finish_reason=c.finish_reason)])
+
+    def usage(self, usage: UsageInfo) -> BaseModel:
+        return self._chunk([], usage)
+
+
+async def stream_deltas(srv: _Server, stream: OutputStream, chunks: _Chunks,
+                        include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body of a streamed request, from the engine's DELTA outputs: each delta of a
+    choice is one chunk, then the usage (if asked), then ``[DONE]``."""
+    sent: dict[tuple[str, int], int] = {}  # (request, choice) -> characters sent
+    prompt_tokens: dict[str, int] = {}
+    completion_tokens = 0
     try:
+        for head in chunks.head():
+            yield _sse(head)
         async for out in stream:
-            p = index_of[out.request_id]
-            prompt_tokens[p] = len(out.prompt_token_ids)
+            prompt_tokens[out.request_id] = len(out.prompt_token_ids)
             for c in out.outputs:
-                idx = p * n + c.index
-                if idx in done:
-                    continue
-                first = idx not in sent_text
-                t0, k0 = sent_text.get(idx, 0), sent_tok.get(idx, 0)
-                delta = c.text[t0:]
-                if first and echo is not None:
-                    delta = echo[p] + delta
-                if not delta and not c.finished:
-                    continue
-                lp = None
-                if logprobs is not None:
-                    lp = _completion_logprobs(c, k0, len(c.token_ids), logprobs, t0)
-                sent_text[idx], sent_tok[idx] = len(c.text), len(c.token_ids)
-                if c.finished:
-                    done.add(idx)
-                chunk = CompletionResponse(
-                    id=rid, created=created, model=srv.model_name,
-                    choices=[CompletionChoice(index=idx, text=delta, logprobs=lp, finish_reason=c.finish_reason,
-                                              stop_reason=c.stop_reason)])
-                yield _sse(chunk)
+                key = (out.request_id, c.index)
+                offset = sent.get(key)
+                yield _sse(chunks.choice(out, c, offset or 0, offset is None))
+                sent[key] = (offset or 0) + len(c.text)
+                completion_tokens += len(c.token_ids)
         if include_usage:
-            usage = _usage(sum(prompt_tokens.values()), sum(sent_tok.values()))
-            yield _sse(CompletionResponse(id=rid, created=created, model=srv.model_name, choices=[], usage=usage))
-        yield "data: [DONE]\n\n"
-    except EngineError as e:
-        yield _error_event(e)
-    finally:
-        srv.async_engine.abort_stream(stream)
-
-
-async def _stream_chat(srv: _Server, stream: OutputStream, rid: str, n: int, k: int | None,
-                       include_usage: bool) -> AsyncIterator[str]:
-    created = int(time.time())
-
-    def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
-        return _sse(ChatCompletionChunk(id=rid, created=created, model=srv.model_name, choices=choices,
-                                        usage=usage))
-
-    sent_text = [0] * n
-    sent_tok = [0] * n
-    done: set[int] = set()
-    prompt_tokens = 0
-    try:
-        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                     for i in range(n)])
-        async for out in stream:
-            prompt_tokens = len(out.prompt_token_ids)
-            for c in out.outputs:
-                i = c.index
-                if i in done:
-                    continue
-                delta = c.text[sent_text[i]:]
-                if not delta and not c.finished:
-                    continue
-                lp = _chat_logprobs(c, sent_tok[i], len(c.token_ids), k) if k is not None else None
-                sent_text[i], sent_tok[i] = len(c.text), len(c.token_ids)
-                if c.finished:
-                    done.add(i)
-                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=delta), logprobs=lp,
-                                             finish_reason=c.finish_reason)])
-        if include_usage:
-            yield chunk([], _usage(prompt_tokens, sum(sent_tok)))
+            yield _sse(chunks.usage(_usage(sum(prompt_tokens.values()), completion_tokens)))
         yield "data: [DONE]\n\n"
     except EngineError as e:
         yield _error_event(e)

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from pagedllm.engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.server.args import ServerArgs
 from pagedllm.server.async_engine import AsyncEngine, EngineError, OutputStream, PromptSource
 from pagedllm.server.metrics import ServerMetrics
@@ -198,6 +198,7 @@ class _Server:
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            output_kind=RequestOutputKind.DELTA,  # streamed as they come, or added up by collect
         )
         try:
             return SamplingParams(**kwargs)
@@ -239,13 +240,17 @@ class _Server:
         return stream, ids
 
     async def collect(self, request: Request, stream: OutputStream) -> dict[str, RequestOutput]:
-        """Wait for the final outputs; abort everything if the client disconnects first."""
+        """Wait for the final outputs (the deltas added up); abort everything if the client
+        disconnects first."""
         final: dict[str, RequestOutput] = {}
 
         async def consume() -> None:
             async for out in stream:
-                if out.finished:
-                    final[out.request_id] = out
+                acc = final.get(out.request_id)
+                if acc is None:
+                    final[out.request_id] = acc = RequestOutput(
+                        out.request_id, out.prompt, out.prompt_token_ids, None, [], False)
+                acc.add(out)
 
         consumer = asyncio.ensure_future(consume())
         watcher = asyncio.ensure_future(_wait_disconnect(request))

@@ -21,8 +21,8 @@ from pagedllm.bench.workload import (
     make_workload,
     poisson_arrivals,
 )
-from pagedllm.cli import main
 from pagedllm.config import SchedulerConfig
+from pagedllm.entrypoints.cli import main
 from pagedllm.sched import Scheduler
 
 MML = 64  # max_model_len for every engine here

@@ -25,7 +25,7 @@ from pagedllm.bench.device import (
 from pagedllm.bench.kernel import _case, _rates, kernel_defaults
 from pagedllm.bench.random_model import PRESETS, build_random_model, llama_param_count
 from pagedllm.bench.workload import BenchRequest
-from pagedllm.cli import main
+from pagedllm.entrypoints.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_KERNEL = ["--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "16", "--contexts", "16,40",
@@ -139,7 +139,7 @@ def test_half_precision_case_uses_a_loose_tolerance() -> None:
 
 
 def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pagedllm.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", *args], capture_output=True,
                           text=True, env=env, timeout=300, cwd=ROOT)
 
 

@@ -10,7 +10,7 @@ import pytest
 from openai import OpenAI
 from serve_process import serve_process
 
-from pagedllm.cli import build_parser
+from pagedllm.entrypoints.cli import build_parser
 from pagedllm.server.cli import apply_config_file
 
 

@@ -13,7 +13,7 @@ from pagedllm.flags import ArgParser
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from pagedllm.engine import LLMEngine
-    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
     params = SamplingParams(
         n=1,
@@ -25,6 +25,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         max_tokens=a.max_tokens,
         stop=a.stop or [],
         ignore_eos=a.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
     )
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli(a))
     out = sys.stdout
@@ -34,16 +35,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
         out.write(prompt)
         out.flush()
         t0 = time.perf_counter()
-        n_tokens, reason, shown = 0, None, 0
+        n_tokens, reason = 0, None
         while engine.has_unfinished_requests():
             for o in engine.step():
-                text = o.outputs[0].text  # cumulative; held back while it may begin a stop string
-                out.write(text[shown:])
+                delta = o.outputs[0]  # new text; held back while it may begin a stop string
+                out.write(delta.text)
                 out.flush()
-                shown = len(text)
-                if o.finished:
-                    n_tokens = len(o.outputs[0].token_ids)
-                    reason = o.outputs[0].finish_reason
+                n_tokens += len(delta.token_ids)
+                reason = delta.finish_reason
         dt = time.perf_counter() - t0
         out.write("\n")
         print(

@@ -1,0 +1,263 @@
+"""LLMEngine: requests in, ``step()`` = schedule -> execute -> update -> outputs.
+
+Built in one order on every device: the executor loads the weights (and, on a GPU without an
+explicit KV size, profiles memory) -> the KV pool is planned from the budget -> KV manager and
+scheduler -> the executor allocates the KV cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pagedllm.args import EngineArgs
+from pagedllm.config import EngineConfig
+from pagedllm.engine.beam import MAX_BEAM_WIDTH, BeamSearch
+from pagedllm.engine.input import InputProcessor, PromptType, load_prompts
+from pagedllm.engine.output import OutputProcessor
+from pagedllm.executor import Executor, make_executor
+from pagedllm.kv.manager import KVCacheManager
+from pagedllm.kv.plan import plan_kv_pool
+from pagedllm.kv_preheat import KVMemoryController, kv_stats
+from pagedllm.logging_utils import init_logger
+from pagedllm.outputs import RequestOutput
+from pagedllm.request import RequestStatus
+from pagedllm.runner.model_runner import RunnerOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.sched import Scheduler, SchedulerOutput
+from pagedllm.sched.preemption import PreemptionCost
+from pagedllm.tokenizer import eos_token_ids, get_tokenizer
+
+logger = init_logger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, scheduler_cls: type[Scheduler] = Scheduler) -> None:
+        """``scheduler_cls`` swaps the batching policy (the benchmarks' contiguous baseline)."""
+        self.config = config
+        self.tokenizer = get_tokenizer(config.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, config.model.eos_token_ids)
+        runner = make_executor(config)  # a ModelRunner; with TP, rank 0 of the group
+        self.kv_plan = p = plan_kv_pool(config.model, config.cache, config.scheduler,
+                                        _profiled_budget(config, runner))
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s, %d bytes/token); fits %d "
+            "requests of max_model_len=%d",
+            p.num_blocks, p.block_size, p.num_tokens, p.nbytes / 2**20,
+            config.cache.kv_dtype_label(config.model), p.bytes_per_block // p.block_size,
+            p.max_concurrent_full_requests, p.max_model_len,
+        )
+        start = min(config.cache.initial_num_kv_blocks or p.num_blocks, p.num_blocks)
+        self.kv = KVCacheManager(start, p.block_size, config.cache.enable_prefix_caching,
+                                 num_host_blocks=config.cache.num_host_blocks(config.model))
+        self.kv.set_max_num_blocks(p.num_blocks)  # an elastic pool grows up to the budget
+        self.scheduler = scheduler_cls(config.scheduler, self.kv)
+        self._closing = contextlib.ExitStack()  # what shutdown() closes besides the runner
+        if config.cache.kv_trace_path is not None:
+            from pagedllm.kv.trace import KVTracer, attach
+
+            sched = self.scheduler
+            tracer = KVTracer(config.cache.kv_trace_path, clock=lambda: sched.num_steps)
+            attach(self.kv, tracer)
+            self._closing.callback(tracer.close)
+        self.scheduler.cost_model = preemption_cost(config, p.bytes_per_block)
+        runner.init_kv_cache(start)
+        self.runner: Executor = runner
+        self.input = InputProcessor(config, self.tokenizer, self.eos_token_ids)
+        self.output = OutputProcessor(self.tokenizer)
+        self.beams = BeamSearch(self.scheduler, self.tokenizer, config.scheduler.max_model_len)
+        self.memory = KVMemoryController(self)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs,
+                         scheduler_cls: type[Scheduler] = Scheduler) -> LLMEngine:
+        """Build from settings; ``args.preheat_prompts`` are computed and pinned at start-up."""
+        engine = cls(args.create_engine_config(), scheduler_cls)
+        if args.preheat_prompts is not None:
+            engine.preheat(args.preheat_prompts)
+        return engine
+
+    @classmethod
+    def from_args(cls, scheduler_cls: type[Scheduler] = Scheduler, **kwargs: Any) -> LLMEngine:
+        """Build from keyword settings: the fields of ``EngineArgs`` (vLLM's names accepted)."""
+        return cls.from_engine_args(EngineArgs.from_kwargs(kwargs, "LLMEngine.from_args"),
+                                    scheduler_cls)
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request. Raises ValueError without changing any state."""
+        params = params or SamplingParams()
+        self._check_new_id(request_id)
+        text, ids = self.input.tokenize(prompt)
+        self.scheduler.check_fits(len(ids))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = self.input.fan_out(request_id, ids, params, priority, arrival)
+        self.output.add(request_id, text, ids, children, arrival)
+        try:  # n > 1: children fork the first child's prompt blocks (copy-on-write)
+            self.scheduler.add_request(children[0], forks=children[1:])
+        except Exception:
+            self.output.remove(request_id)
+            raise
+
+    def add_beam_search(self, request_id: str, prompt: PromptType, beam_width: int,
+                        max_tokens: int, arrival_time: float | None = None) -> None:
+        """Queue a beam search (``pagedllm.engine.beam``); its one output, when it finishes,
+        holds ``beam_width`` sequences best first, ``cumulative_logprob`` = the beam's score."""
+        self._check_new_id(request_id)
+        if not 1 <= beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width={beam_width} must be in [1, {MAX_BEAM_WIDTH}]")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens} must be >= 1")
+        _, ids = self.input.tokenize(prompt)
+        max_len = self.config.scheduler.max_model_len
+        if len(ids) + max_tokens > max_len:
+            raise ValueError(f"a prompt of {len(ids)} tokens + max_tokens={max_tokens} exceeds "
+                             f"max_model_len={max_len}")
+        self.scheduler.check_fits(len(ids))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self.beams.add(request_id, ids, beam_width, max_tokens, arrival)
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.output.groups or request_id in self.beams.searches:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request; its blocks return to the pool. Returns False if it is unknown."""
+        ids = self.output.remove(request_id)
+        for rid in ids:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+        ids += self.beams.abort(request_id)
+        if ids:
+            self.runner.release(ids)
+        return bool(ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.output.groups) or bool(self.beams.searches)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output) + len(self.beams)
+
+    def request_ids(self) -> list[str]:
+        """The unfinished requests, generate and beam search."""
+        return [*self.output.groups, *self.beams.searches]
+
+    # -- the hot loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self.memory.before_step()  # elastic pool growth
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        self.scheduler.update(sched, self.beams.take(sched, result.sampled))
+        outputs = self._process_outputs(sched, result)
+        self.memory.after_step()  # compaction triggers, shrink when idle
+        return outputs
+
+    def _process_outputs(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        done = self.output.process(sched.scheduled, result.sampled, result.prompt_logprobs)
+        for rid in done.stopped:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+        beam_outputs, beams_ended = self.beams.select()
+        if done.finished or beams_ended:
+            self.runner.release(done.finished + beams_ended)
+        return done.outputs + beam_outputs if beam_outputs else done.outputs
+
+    # -- introspection ----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (nothing to do in one process). Garbage collection and
+        interpreter exit do it too; the engine is unusable afterwards."""
+        self._closing.close()
+        self.runner.shutdown()
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        for rid in self.scheduler.requests:
+            assert self.output.owns(rid) or self.beams.owns(rid), f"scheduler request {rid} has no owner"
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    # -- KV memory management ---------------------------------------------------------------------
+    def preheat(self, prompts: Sequence[PromptType] | str) -> int:
+        """Warm-up: prefill ``prompts`` (a list, or a file with one prompt per line: text, or a
+        JSON list of token ids) and pin their full prefix blocks in the cache.
+
+        Trade-off: pinned blocks are never evicted, so requests sharing these prefixes (system
+        prompts known in advance) always hit, at the price of that many blocks taken from the
+        pool for good (``kv.unpin_all()`` releases them). Returns the number of pinned blocks.
+        """
+        items = load_prompts(prompts) if isinstance(prompts, str) else list(prompts)
+        if self.has_unfinished_requests():
+            raise RuntimeError("preheat needs an idle engine")
+        ids = [self.input.tokenize(p)[1] for p in items]
+        sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        for i, tok in enumerate(ids):
+            self.add_request(f"__preheat__/{i}", {"prompt_token_ids": tok}, sp)
+        while self.has_unfinished_requests():
+            self.step()
+        pinned = sum(self.kv.pin(tok) for tok in ids)
+        self.kv.stats.reset()
+        logger.info("preheated %d prompts: %d KV blocks pinned", len(ids), pinned)
+        return pinned
+
+    def defragment(self) -> int:
+        """Compact now: live blocks move to the lowest ids. Returns the number of blocks moved."""
+        return self.memory.defragment()
+
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """Prompt tokens looked up at admission (``queries``), found cached (``hits``)."""
+        st = self.kv.stats
+        return {"queries": st.queries, "hits": st.hits, "hit_rate": st.hit_rate}
+
+    def kv_stats(self) -> dict[str, Any]:
+        stats = kv_stats(self.scheduler, self.kv)
+        c = self.config.cache
+        stats["kv_bytes_per_token"] = c.kv_bytes_per_token(self.config.model)
+        stats["k_cache_dtype"], stats["v_cache_dtype"] = c.k_cache_dtype, c.v_cache_dtype
+        return stats
+
+
+def _profiled_budget(config: EngineConfig, runner: Executor) -> int | None:
+    """KV bytes a CUDA memory profile leaves (``config.kv_sized_by_profile``), else None."""
+    if not config.kv_sized_by_profile:
+        return None
+    from pagedllm.runner.memory import kv_budget
+
+    prof = runner.memory_profile
+    assert prof is not None
+    measured = kv_budget(prof, config.gpu_memory_utilization)
+    if config.cache.initial_num_kv_blocks is not None:
+        # growing reallocates: the old and the new pool are briefly both on the GPU
+        measured //= 2
+        logger.info("elastic KV pool on a profiled GPU budget: it grows to half the budget "
+                    "(a growth holds the old and the new pool at once)")
+    logger.info(
+        "GPU memory: %.2f GiB free at start; weights %.2f GiB, activation peak %.2f GiB, "
+        "non-torch %.2f GiB, CUDA graphs %.2f GiB -> KV budget %.2f GiB "
+        "(gpu_memory_utilization=%.2f)",
+        prof.free_at_start / 2**30, prof.weights / 2**30, prof.activation_peak / 2**30,
+        prof.non_torch / 2**30, prof.graph_pool / 2**30, measured / 2**30,
+        config.gpu_memory_utilization,
+    )
+    return measured
+
+
+def preemption_cost(config: EngineConfig, bytes_per_block: int) -> PreemptionCost:
+    """Rough per-victim costs for preemption_mode="auto": 2 FLOPs per weight per token against
+    host<->device bandwidth (assumed throughputs: CPU 5e10 FLOP/s and 5e9 B/s; CUDA 5e13 FLOP/s
+    and 1.2e10 B/s over PCIe)."""
+    m = config.model
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    per_layer = m.hidden_size * (2 * q + 2 * kv) + 3 * m.hidden_size * m.intermediate_size
+    params = m.num_hidden_layers * per_layer + m.vocab_size * m.hidden_size
+    cuda = config.is_cuda
+    return PreemptionCost(2.0 * params, float(bytes_per_block), 5e13 if cuda else 5e10,
+                          1.2e10 if cuda else 5e9)

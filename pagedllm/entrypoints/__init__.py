@@ -1,0 +1,1 @@
+"""What users call: ``llm.py`` (the offline ``LLM``) and ``cli.py`` (``pagedllm ...``)."""

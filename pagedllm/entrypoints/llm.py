@@ -1,0 +1,129 @@
+"""LLM: the offline, vLLM-style API over one ``LLMEngine``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from pagedllm.args import EngineArgs
+from pagedllm.engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class BeamSequence:
+    token_ids: list[int]  # generated tokens only
+    cumulative_logprob: float
+    text: str = ""
+
+
+@dataclass
+class BeamSearchOutput:
+    prompt_token_ids: list[int]
+    sequences: list[BeamSequence]  # best first, beam_width of them
+
+
+class LLM:
+    """Offline generation, vLLM-style: ``LLM(model=...).generate(prompts, SamplingParams(...))``.
+
+    With no ``model`` the shipped default model (a small Llama trained on Python source) is used.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """``kwargs``: the fields of ``pagedllm.EngineArgs`` (e.g. ``num_kv_blocks``,
+        ``preheat_prompts``); an unknown name is a TypeError naming the closest one."""
+        args = EngineArgs.from_kwargs({"model": model, **kwargs}, "LLM")
+        self.engine = LLMEngine.from_engine_args(args)
+        self._counter = itertools.count()
+
+    def get_prefix_cache_stats(self) -> dict[str, float]:
+        return self.engine.prefix_cache_stats()
+
+    def defragment(self) -> int:
+        return self.engine.defragment()
+
+    def kv_stats(self) -> dict[str, Any]:
+        return self.engine.kv_stats()
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        plist = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(plist)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(plist):
+                raise ValueError(f"got {len(params)} sampling_params for {len(plist)} prompts")
+        prios = list(priority) if priority is not None else [0] * len(plist)
+        if len(prios) != len(plist):
+            raise ValueError(f"got {len(prios)} priorities for {len(plist)} prompts")
+        final = {id(p): p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+        add = self.engine.add_request
+        return self._run([partial(add, prompt=p, params=final[id(sp)], priority=pr)
+                          for p, sp, pr in zip(plist, params, prios)], use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], beam_width: int,
+                    max_tokens: int) -> list[BeamSearchOutput]:
+        """Beam search; beams share KV blocks by fork (see ``pagedllm.engine.beam``). Returns,
+        per prompt, ``beam_width`` sequences best first with their summed logprobs."""
+        add = self.engine.add_beam_search
+        outs = self._run([partial(add, prompt=p, beam_width=beam_width, max_tokens=max_tokens)
+                          for p in _as_prompt_list(prompts)], use_tqdm=False)
+        return [BeamSearchOutput(o.prompt_token_ids, [
+            BeamSequence(c.token_ids, c.cumulative_logprob or 0.0, c.text) for c in o.outputs
+        ]) for o in outs]
+
+    def _run(self, adds: list[Callable[[str], None]], use_tqdm: bool) -> list[RequestOutput]:
+        """Queue each request (``add(request_id)``) and step until all finished; on error or
+        interrupt nothing stays queued or holds blocks."""
+        ids = [f"gen-{next(self._counter)}" for _ in adds]
+        added: list[str] = []
+        try:
+            for rid, add in zip(ids, adds):
+                add(rid)
+                added.append(rid)
+            return self._collect(ids, use_tqdm)
+        finally:
+            for rid in added:
+                self.engine.abort_request(rid)
+
+    def _collect(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        wanted = set(ids)
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    items: list[Any] = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # a single list of token ids
+    return items

@@ -1,0 +1,103 @@
+"""Beam search runs inside LLMEngine.step(): an elastic pool grows for it, the allocation trace
+records it like any step, it shares the engine with other requests, and it aborts cleanly.
+(Beams and scores against HF transformers: tests/test_memory_management.py.)"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.kv.trace import load, replay
+
+
+def _prompts(n: int, seed: int = 3) -> list[dict[str, list[int]]]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(4, 512) for _ in range(rng.randrange(6, 30))]}
+            for _ in range(n)]
+
+
+def _llm(tiny_models: dict[str, Path], **kw: object) -> LLM:
+    args: dict[str, object] = dict(block_size=4, num_kv_blocks=256, max_model_len=128)
+    args.update(kw)
+    return LLM(model=str(tiny_models["llama"]), **args)
+
+
+def _beams(outs: list) -> list:  # type: ignore[type-arg]
+    return [[(s.token_ids, s.cumulative_logprob, s.text) for s in o.sequences] for o in outs]
+
+
+def _same(got: list, want: list) -> bool:  # type: ignore[type-arg]
+    """Same beams in the same order with the same text; scores within 1e-5 (other batches sum
+    the same logits in another order: ~1e-7 apart in float32)."""
+    assert len(got) == len(want) and all(len(g) == len(w) for g, w in zip(got, want))
+    return all(gt == wt and gx == wx and abs(gs - ws) < 1e-5
+               for g, w in zip(got, want) for (gt, gs, gx), (wt, ws, wx) in zip(g, w))
+
+
+@pytest.fixture(scope="module")
+def roomy(tiny_models: dict[str, Path]) -> list:  # type: ignore[type-arg]
+    return _beams(_llm(tiny_models).beam_search(_prompts(3), beam_width=4, max_tokens=8))
+
+
+def test_beam_search_grows_an_elastic_pool(tiny_models: dict[str, Path], roomy: list) -> None:  # type: ignore[type-arg]
+    llm = _llm(tiny_models, num_kv_blocks=200, initial_num_kv_blocks=4, grow_chunk=4)
+    eng = llm.engine
+    assert eng.kv.num_blocks == 4
+    outs = llm.beam_search(_prompts(3), beam_width=4, max_tokens=8)
+    assert _same(_beams(outs), roomy)
+    assert all(len(o.sequences) == 4 for o in outs)
+    assert eng.memory.num_grows > 0 and eng.memory.num_shrinks > 0
+    assert eng.kv.num_blocks == 4 == eng.runner.kv_cache.num_blocks  # idle: back to the start
+    eng.check_integrity()
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_beam_search_is_traced_like_any_step(tiny_models: dict[str, Path], tmp_path: Path,
+                                             roomy: list) -> None:  # type: ignore[type-arg]
+    path = tmp_path / "kv.jsonl"
+    llm = _llm(tiny_models, kv_trace_path=str(path))
+    assert _same(_beams(llm.beam_search(_prompts(3), beam_width=4, max_tokens=8)), roomy)
+    steps_taken = llm.engine.scheduler.num_steps
+    llm.engine.shutdown()
+    events = load(path)
+    ops = Counter(e["op"] for e in events)
+    assert ops["fork"] > 0 and ops["cow_copy"] > 0 and ops["free"] > 0
+    steps = [e["step"] for e in events]
+    assert steps == sorted(steps) and steps[-1] == steps_taken >= 8
+    forks = {e["step"] for e in events if e["op"] == "fork"}
+    assert len(forks) > 1  # beams fork at several steps, each stamped with its own step
+    kv = replay(path)
+    assert kv.num_free_blocks == kv.num_blocks == llm.engine.kv.num_blocks
+
+
+def test_beam_search_beside_other_requests_and_abort(tiny_models: dict[str, Path],
+                                                     roomy: list) -> None:  # type: ignore[type-arg]
+    llm = _llm(tiny_models)
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    alone = llm.generate("t5 t6 t7", sp, use_tqdm=False)[0].outputs[0].token_ids
+    eng.add_request("other", "t5 t6 t7", sp)
+    for _ in range(3):
+        eng.step()
+    # beam search no longer needs an idle engine; both share the steps
+    assert _same(_beams(llm.beam_search(_prompts(3), beam_width=4, max_tokens=8)), roomy)
+    done = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            done = out
+    assert done is not None and done.request_id == "other" and done.outputs[0].token_ids == alone
+    eng.add_beam_search("b", _prompts(1)[0], beam_width=3, max_tokens=20)
+    eng.step()
+    eng.step()
+    assert eng.abort_request("b") and not eng.has_unfinished_requests()
+    eng.check_integrity()
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    with pytest.raises(ValueError, match="beam_width=21 must be in"):
+        eng.add_beam_search("c", "t5", beam_width=21, max_tokens=4)
+    with pytest.raises(ValueError, match="exceeds max_model_len=128"):
+        eng.add_beam_search("c", "t5", beam_width=2, max_tokens=200)
+    assert not eng.has_unfinished_requests()
