@@ -15,7 +15,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.args import EngineArgs
 from pagedllm.runner.batch import Uploader, build_host_batch, fetch
 from pagedllm.runner.cuda_graph import capture_sizes
-from pagedllm.runner.memory import GiB, MemoryProfile, MemoryProfiler, kv_budget, profile_run
+from pagedllm.runner.memory import GiB, MemoryProfile, MemoryProfiler, kv_budget
 
 
 def test_host_batch_matches_the_drawing() -> None:
@@ -96,7 +96,7 @@ def test_profile_run_leaves_the_engine_untouched(tiny_models: dict[str, Path]) -
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     before = llm.generate(["t5 t6 t7 t8"], sp, use_tqdm=False)[0].outputs[0].token_ids
     kv = llm.engine.runner.kv_cache.storage.clone()
-    profile_run(llm.engine.runner, num_tokens=300, num_reqs=7)  # ragged: 43 x 6 + 42
+    llm.engine.runner.profile_run(num_tokens=300, num_reqs=7)  # ragged: 43 x 6 + 42
     assert torch.equal(llm.engine.runner.kv_cache.storage, kv)
     after = llm.generate(["t5 t6 t7 t8"], sp, use_tqdm=False)[0].outputs[0].token_ids
     assert after == before

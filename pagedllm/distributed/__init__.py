@@ -8,15 +8,15 @@ Map:
     group.py    TPGroup (rank, size, all-reduce, counters) and the sharding arithmetic: which
                 heads / rows / columns each rank owns (Megatron-style; embeddings and lm_head
                 replicated, so rank 0 has full logits and samples alone)
-    worker.py   the loop of ranks 1..N-1 and the message format rank 0 sends them
+    worker.py   the loop of ranks 1..N-1: ModelRunner method calls from rank 0 (``collective_rpc``)
     bench.py    TP=1 vs TP=N tokens/s and per-step communication (``python -m pagedllm.distributed.bench``)
     ../executor/  UniProcExecutor (TP=1, unchanged), MultiprocExecutor, RayExecutor
 
 The scheduler and the block manager run once, in the engine process, which is also rank 0. Each
-step rank 0 sends the prepared batch (token ids, positions, slot mapping, block tables: one block
-table for all ranks) to every worker, then all ranks run the forward; each rank's KV cache holds
-only its KV heads under the same block ids, and block moves (copy-on-write, swap, compaction,
-resize) are sent the same way. A script that starts a tensor-parallel engine must do so under
+step rank 0 sends every worker the step's KV changes (copy-on-write, swap, compaction, resize:
+``SchedulerOutput.kv``) and the prepared host batch (token ids, positions, slot mapping, block
+tables: one block table for all ranks) as one ``run_step`` call, then all ranks apply the changes
+and run the forward; each rank's KV cache holds only its KV heads under the same block ids. A script that starts a tensor-parallel engine must do so under
 ``if __name__ == "__main__":`` (workers are spawned and re-import the main module).
 
 Multi-node with Ray (manual procedure; the local case is tested):

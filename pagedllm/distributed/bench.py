@@ -86,15 +86,15 @@ def run_tp(model: str, tp: int, num_prompts: int, prompt_len: int, max_tokens: i
             engine.step()
         for i, p in enumerate(prompts):
             engine.add_request(f"b{i}", {"prompt_token_ids": p}, sp)
-        stats = getattr(engine.runner, "comm_stats", None)
+        stats = getattr(engine.executor, "comm_stats", None)
         shapes: list[tuple[int, int]] = []  # (tokens, requests) of each step
-        execute = engine.runner.execute
+        execute = engine.executor.execute
 
         def recording(out: Any) -> Any:
             shapes.append((out.num_batched_tokens, len(out.scheduled)))
             return execute(out)
 
-        engine.runner.execute = recording  # type: ignore[method-assign]
+        engine.executor.execute = recording  # type: ignore[method-assign]
         kinds = {"prefill": StepKind(), "decode": StepKind()}
         t_start = time.perf_counter()
         while engine.has_unfinished_requests():

@@ -4,16 +4,18 @@ Life of a worker::
 
     start ── load this rank's weight shard ──▶ send ("ready", pid, host)
           ◀── ("connect",) ── join the gloo process group (all ranks at once)
-          loop: ("step", input_ids, positions, meta)  forward; its all-reduces pair with rank 0's
-                ("init_kv_cache", num_blocks)          allocate this rank's KV heads
-                ("kv", method, arg)                    copy_blocks | swap_out | swap_in | resize
+          loop: ("call", method, args, kwargs, reply)  run ModelRunner.<method>(*args, **kwargs)
+                                                       on this rank; if reply: send ("result", r)
                 ("shutdown",)                          return
     on any error: send ("error", rank, traceback), exit non-zero
 
-Rank 0 sends every message to every worker over a ``multiprocessing`` connection (a pipe, or TCP
-for Ray actors): pickled once, the same bytes to each worker (``send_message``). Waiting for the
-next message has no timeout (an idle server is fine) but ends at once when the engine goes away
-(end of file). A worker never samples: only rank 0 computes logits.
+A step is ``("call", "run_step", (kv_update, host_batch), {}, False)``: the step's KV changes,
+then the forward, whose all-reduces pair with rank 0's (no reply: rank 0 learns of a failure from
+the collective). Rank 0 sends every message to every worker over a ``multiprocessing`` connection
+(a pipe, or TCP for Ray actors): pickled once, the same bytes to each worker (``send_message``).
+Only public ModelRunner methods can be called (``rpc_method``). Waiting for the next message has
+no timeout (an idle server is fine) but ends at once when the engine goes away (end of file). A
+worker never samples: only rank 0 computes logits.
 """
 
 from __future__ import annotations
@@ -23,15 +25,13 @@ import pickle
 import signal
 import threading
 import traceback
-from dataclasses import fields
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
-import numpy as np
 import torch
 
-from pagedllm.attention import AttentionMetadata
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import TPGroup
 
@@ -50,21 +50,14 @@ def recv_message(conn: Connection) -> Message:
     return pickle.loads(conn.recv_bytes())  # type: ignore[no-any-return]
 
 
-def pack_meta(meta: AttentionMetadata) -> dict[str, Any]:
-    """Tensors -> numpy (no copy on CPU), other fields as they are; generic over the fields."""
-    return {f.name: _to_numpy(getattr(meta, f.name)) for f in fields(meta)}
+def rpc_method(name: str) -> Callable[..., Any]:
+    """The ModelRunner method an RPC names. Only public methods can be called."""
+    from pagedllm.runner.model_runner import ModelRunner
 
-
-def unpack_meta(d: dict[str, Any], device: torch.device) -> AttentionMetadata:
-    return AttentionMetadata(**{k: _to_tensor(v, device) for k, v in d.items()})
-
-
-def _to_numpy(v: Any) -> Any:
-    return v.cpu().numpy() if isinstance(v, torch.Tensor) else v
-
-
-def _to_tensor(v: Any, device: torch.device) -> Any:
-    return torch.from_numpy(v).to(device) if isinstance(v, np.ndarray) else v
+    fn = None if name.startswith("_") else getattr(ModelRunner, name, None)
+    if not callable(fn):
+        raise RuntimeError(f"rank 0 called {name!r}, which is not a public ModelRunner method")
+    return fn  # type: ignore[no-any-return]
 
 
 def make_process_group(store: Any, rank: int, size: int, host: str, timeout_s: float) -> Any:
@@ -128,23 +121,18 @@ def _serve(rank: int, config: EngineConfig, num_blocks: int | None, conn: Connec
     timeout = config.parallel.timeout_s
     store = dist.TCPStore(store_addr[0], store_addr[1], size, False, timeout=timedelta(seconds=timeout))
     tp.pg = make_process_group(store, rank, size, host, timeout)
-    device = runner.device
-    with torch.inference_mode():
-        while True:
-            msg = recv_message(conn)
-            kind = msg[0]
-            if kind == "step":
-                _, ids, pos, meta = msg
-                runner.run_model(torch.from_numpy(ids).to(device), torch.from_numpy(pos).to(device),
-                                 unpack_meta(meta, device))
-            elif kind == "kv":
-                getattr(runner.kv_cache, msg[1])(msg[2])
-            elif kind == "init_kv_cache":
-                runner.init_kv_cache(msg[1])
-            elif kind == "shutdown":
-                return
-            else:
-                raise RuntimeError(f"unknown message {kind!r} from rank 0")
+    while True:
+        msg = recv_message(conn)
+        kind = msg[0]
+        if kind == "call":
+            _, name, args, kwargs, reply = msg
+            result = rpc_method(name)(runner, *args, **kwargs)
+            if reply:
+                send_message([conn], ("result", result))
+        elif kind == "shutdown":
+            return
+        else:
+            raise RuntimeError(f"unknown message {kind!r} from rank 0")
 
 
 def _watch_parent() -> None:

@@ -20,13 +20,13 @@ from pagedllm.engine.output import OutputProcessor
 from pagedllm.executor import Executor, make_executor
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.kv.plan import plan_kv_pool
-from pagedllm.kv_preheat import KVMemoryController, kv_stats
 from pagedllm.logging_utils import init_logger
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import RequestStatus
-from pagedllm.runner.model_runner import RunnerOutput
+from pagedllm.runner.model_runner import ModelRunner, RunnerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched import Scheduler, SchedulerOutput
+from pagedllm.sched.memory import KVMemoryPolicy, kv_stats
 from pagedllm.sched.preemption import PreemptionCost
 from pagedllm.tokenizer import eos_token_ids, get_tokenizer
 
@@ -39,9 +39,9 @@ class LLMEngine:
         self.config = config
         self.tokenizer = get_tokenizer(config.tokenizer)
         self.eos_token_ids = eos_token_ids(self.tokenizer, config.model.eos_token_ids)
-        runner = make_executor(config)  # a ModelRunner; with TP, rank 0 of the group
+        executor = make_executor(config)  # rank 0 here; with TP, the other ranks started
         self.kv_plan = p = plan_kv_pool(config.model, config.cache, config.scheduler,
-                                        _profiled_budget(config, runner))
+                                        _profiled_budget(config, executor))
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s, %d bytes/token); fits %d "
             "requests of max_model_len=%d",
@@ -54,7 +54,7 @@ class LLMEngine:
                                  num_host_blocks=config.cache.num_host_blocks(config.model))
         self.kv.set_max_num_blocks(p.num_blocks)  # an elastic pool grows up to the budget
         self.scheduler = scheduler_cls(config.scheduler, self.kv)
-        self._closing = contextlib.ExitStack()  # what shutdown() closes besides the runner
+        self._closing = contextlib.ExitStack()  # what shutdown() closes besides the executor
         if config.cache.kv_trace_path is not None:
             from pagedllm.kv.trace import KVTracer, attach
 
@@ -63,12 +63,13 @@ class LLMEngine:
             attach(self.kv, tracer)
             self._closing.callback(tracer.close)
         self.scheduler.cost_model = preemption_cost(config, p.bytes_per_block)
-        runner.init_kv_cache(start)
-        self.runner: Executor = runner
+        self.memory = self.scheduler.memory = KVMemoryPolicy(
+            self.kv, config.cache, config.scheduler.max_num_batched_tokens)
+        executor.init_kv_cache(start)
+        self.executor: Executor = executor
         self.input = InputProcessor(config, self.tokenizer, self.eos_token_ids)
         self.output = OutputProcessor(self.tokenizer)
         self.beams = BeamSearch(self.scheduler, self.tokenizer, config.scheduler.max_model_len)
-        self.memory = KVMemoryController(self)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs,
@@ -137,11 +138,16 @@ class LLMEngine:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
         ids += self.beams.abort(request_id)
         if ids:
-            self.runner.release(ids)
+            self.executor.release(ids)
         return bool(ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output.groups) or bool(self.beams.searches)
+
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's ModelRunner (introspection: its KV tensors change only through a step)."""
+        return self.executor.driver
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output) + len(self.beams)
@@ -152,12 +158,13 @@ class LLMEngine:
 
     # -- the hot loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.memory.before_step()  # elastic pool growth
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
+        result = self.executor.execute(sched)
         self.scheduler.update(sched, self.beams.take(sched, result.sampled))
         outputs = self._process_outputs(sched, result)
-        self.memory.after_step()  # compaction triggers, shrink when idle
+        upkeep = self.scheduler.end_step()  # compaction, or shrinking an idle pool: KV only
+        if upkeep is not None:
+            self.executor.execute(upkeep)
         return outputs
 
     def _process_outputs(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
@@ -166,7 +173,7 @@ class LLMEngine:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
         beam_outputs, beams_ended = self.beams.select()
         if done.finished or beams_ended:
-            self.runner.release(done.finished + beams_ended)
+            self.executor.release(done.finished + beams_ended)
         return done.outputs + beam_outputs if beam_outputs else done.outputs
 
     # -- introspection ----------------------------------------------------------------------------
@@ -174,7 +181,7 @@ class LLMEngine:
         """Stop tensor-parallel workers (nothing to do in one process). Garbage collection and
         interpreter exit do it too; the engine is unusable afterwards."""
         self._closing.close()
-        self.runner.shutdown()
+        self.executor.shutdown()
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
@@ -210,7 +217,9 @@ class LLMEngine:
 
     def defragment(self) -> int:
         """Compact now: live blocks move to the lowest ids. Returns the number of blocks moved."""
-        return self.memory.defragment()
+        out = self.memory.defragment()
+        self.executor.execute(out)
+        return len(out.kv.compaction)
 
     def prefix_cache_stats(self) -> dict[str, float]:
         """Prompt tokens looked up at admission (``queries``), found cached (``hits``)."""
@@ -225,13 +234,13 @@ class LLMEngine:
         return stats
 
 
-def _profiled_budget(config: EngineConfig, runner: Executor) -> int | None:
+def _profiled_budget(config: EngineConfig, executor: Executor) -> int | None:
     """KV bytes a CUDA memory profile leaves (``config.kv_sized_by_profile``), else None."""
     if not config.kv_sized_by_profile:
         return None
     from pagedllm.runner.memory import kv_budget
 
-    prof = runner.memory_profile
+    prof = executor.memory_profile
     assert prof is not None
     measured = kv_budget(prof, config.gpu_memory_utilization)
     if config.cache.initial_num_kv_blocks is not None:

@@ -1,32 +1,22 @@
-"""Executors: how the engine runs the model for a step.
+"""Executors: how the engine runs the model for a step, on one rank or a tensor-parallel group.
 
-    UniProcExecutor    tensor_parallel_size=1: the ModelRunner in the engine process, as before
-                       (no extra process, no serialization)
-    MultiprocExecutor  rank 0 of the tensor-parallel group in the engine process, ranks 1..N-1
-                       in spawned worker processes (executor/multiproc.py)
+    UniProcExecutor    tensor_parallel_size=1: rank 0's ModelRunner in the engine process (no
+                       extra process, no serialization)
+    MultiprocExecutor  rank 0 in the engine process, ranks 1..N-1 in spawned worker processes
+                       (executor/multiproc.py)
     RayExecutor        the same with ranks 1..N-1 as Ray actors (executor/ray_executor.py)
 
-Every executor *is* rank 0's ModelRunner, so the engine and its helpers keep calling
-``execute(scheduler_output)``, ``release(ids)`` and ``kv_cache.resize / copy_blocks``; a
-tensor-parallel executor forwards each step and each KV block move to its workers first.
-``shutdown()`` stops the workers (it also runs when the executor is garbage-collected and at exit).
+An executor holds its ranks and calls them: ``collective_rpc(ModelRunner.method, *args)`` runs
+that ModelRunner method on every rank (rank 0 in-process, the others by message, the same way
+for processes and Ray actors) and returns each rank's result. ``execute(scheduler_output)`` is
+the step: every rank runs ``ModelRunner.run_step`` (the step's ``KVUpdate``, then the forward),
+rank 0 also samples. KV changes reach the ranks only this way: inside the step.
 """
 
 from __future__ import annotations
 
 from pagedllm.config import EngineConfig
-from pagedllm.runner.model_runner import ModelRunner
-
-
-class Executor(ModelRunner):
-    """Rank 0's ModelRunner plus the lifetime of any other ranks."""
-
-    def shutdown(self) -> None:
-        """Stop the other ranks; idempotent."""
-
-
-class UniProcExecutor(Executor):
-    """The single-process executor: exactly the ModelRunner."""
+from pagedllm.executor.base import Executor, UniProcExecutor
 
 
 def make_executor(config: EngineConfig) -> Executor:

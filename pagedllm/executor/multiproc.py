@@ -5,10 +5,13 @@
     engine process (rank 0)                              worker r (spawned, or a Ray actor)
     ───────────────────────                              ──────────────────────────────────
     scheduler + block manager (once)
-    prepare(step) ──── ("step", ids, pos, meta) ─pipe─▶  unpack
-    forward: 2 all-reduces per layer  ◀──── gloo ────▶   forward: the same all-reduces
-    sample (full logits: lm_head is replicated)          (no logits)
-    kv_cache.copy_blocks / swap / resize ── ("kv",..) ─▶ the same move on its own KV heads
+    prepare(step) ─ ("call", "run_step", (kv, batch)) ─▶ run_step(kv, batch):
+    run_step(kv, batch):                                   the same KV changes on its KV heads,
+      KV changes (swap, copies, compaction, resize)        the forward, the same all-reduces
+      forward: 2 all-reduces per layer  ◀──── gloo ────▶   (no logits)
+    sample (full logits: lm_head is replicated)
+
+Any other ModelRunner method reaches every rank the same way (``collective_rpc``), with replies.
 
 Supervision. Before every step rank 0 checks that each worker is alive and has not reported an
 error; inside a step a dead worker closes its gloo sockets, so rank 0's next all-reduce fails at
@@ -27,26 +30,25 @@ import os
 import signal
 import time
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Concatenate
 
 import torch
 
-from pagedllm.attention import AttentionMetadata
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import CommStats, TPGroup, check_tp_size
 from pagedllm.distributed.worker import (
     Message,
     make_process_group,
-    pack_meta,
     recv_message,
     send_message,
     worker_main,
 )
-from pagedllm.executor import Executor
+from pagedllm.executor.base import Executor, P, R
 from pagedllm.logging_utils import init_logger
-from pagedllm.runner.model_runner import RunnerOutput
+from pagedllm.runner.model_runner import ModelRunner, RunnerOutput
 from pagedllm.sched.output import SchedulerOutput
 
 logger = init_logger(__name__)
@@ -125,11 +127,10 @@ def describe_exit(code: int) -> str:
 
 
 class MultiprocExecutor(Executor):
-    """Rank 0 of the tensor-parallel group (see the module docstring)."""
-
-    tp: TPGroup  # always set here (ModelRunner's is optional)
+    """Rank 0 of the tensor-parallel group and the handles of the others (module docstring)."""
 
     def __init__(self, config: EngineConfig) -> None:
+        self.config = config
         par = config.parallel
         m = config.model
         self.world = n = par.tensor_parallel_size
@@ -151,7 +152,7 @@ class MultiprocExecutor(Executor):
         try:
             threads = max(1, (os.cpu_count() or 1) // n)
             self.workers.extend(self._start_workers(config, (self.host, self._store.port), threads))
-            super().__init__(config, None, self.tp)  # rank 0's shard loads while theirs do
+            self.driver = ModelRunner(config, None, self.tp)  # loads while theirs do
             self._await_ready()
             self._send(("connect",))
             self.tp.pg = make_process_group(self._store, 0, n, self.host, self.timeout_s)
@@ -164,11 +165,6 @@ class MultiprocExecutor(Executor):
     # -- start-up ---------------------------------------------------------------------------------
     def _driver_host(self) -> str:
         return "127.0.0.1"
-
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self._send(("init_kv_cache", num_blocks))
-        super().init_kv_cache(num_blocks)
-        self.kv_cache = _BroadcastKV(self.kv_cache, self._send)  # type: ignore[assignment]
 
     def _start_workers(self, config: EngineConfig, store_addr: tuple[str, int],
                        threads: int) -> list[Worker]:
@@ -211,21 +207,53 @@ class MultiprocExecutor(Executor):
         return self.tp.stats
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """The step on every rank: workers get ``run_step`` with the same KV changes and host
+        batch that rank 0's ``execute`` runs (the batch is prepared once, here)."""
         self.check_health()
-        result = super().execute(out)
-        self.tp.stats.steps += 1
+        hb = self.driver.prepare(out.scheduled) if out.scheduled else None
+        self._call(ModelRunner.run_step.__name__, (out.kv, hb), {}, reply=False)
+        result = self._on_driver(self.driver.execute, out, hb)
+        if hb is not None:
+            self.tp.stats.steps += 1
         return result
 
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                  meta: AttentionMetadata) -> torch.Tensor:
-        self._send(("step", input_ids.cpu().numpy(), positions.cpu().numpy(), pack_meta(meta)))
+    def collective_rpc(self, method: Callable[Concatenate[ModelRunner, P], R],
+                       *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        self.check_health()
+        self._call(method.__name__, args, kwargs, reply=True)
+        mine = self._on_driver(method, self.driver, *args, **kwargs)
+        return [mine, *self._replies()]
+
+    def _call(self, name: str, args: tuple, kwargs: dict[str, Any], reply: bool) -> None:
+        self._send(("call", name, args, kwargs, reply))
+
+    def _on_driver(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """Rank 0's part of a call the workers run too: any failure leaves the ranks out of step."""
         try:
-            return super().run_model(input_ids, positions, meta)
-        except BaseException as e:  # a failed all-reduce, rank 0's own error, Ctrl-C: ranks out of step
+            return fn(*args, **kwargs)
+        except BaseException as e:  # a failed all-reduce, rank 0's own error, Ctrl-C
             failure = self._fail(e)
             if isinstance(e, Exception):
                 raise failure from e
             raise
+
+    def _replies(self) -> list[Any]:
+        """Each worker's answer to the last call with ``reply``, in rank order."""
+        out = []
+        for w in self.workers:
+            if not w.conn.poll(self.timeout_s):
+                raise self._fail(TimeoutError(f"rank {w.rank} sent no reply within "
+                                              f"timeout_s={self.timeout_s:g}"))
+            try:
+                msg = recv_message(w.conn)
+            except (EOFError, OSError) as e:
+                raise self._fail(e) from e
+            if msg[0] != "result":
+                if msg[0] == "error":
+                    w.error = msg[2]
+                raise self._fail(None)
+            out.append(msg[1])
+        return out
 
     def _send(self, msg: Message) -> None:
         self._check_open()
@@ -303,26 +331,3 @@ class MultiprocExecutor(Executor):
         self._finalizer.detach()
         self.tp.pg = None
         self._store = None
-
-
-class _BroadcastKV:
-    """Rank 0's KV cache: each block move or resize is sent to the workers, then done here, so every
-    rank's KV heads move the same way. Every other attribute is the real cache's. A new mutating
-    method on KVCache must be added to ``FORWARDED``."""
-
-    FORWARDED = ("copy_blocks", "swap_out", "swap_in", "resize")
-
-    def __init__(self, inner: Any, send: Any) -> None:
-        self._inner, self._send = inner, send
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if name not in self.FORWARDED:
-            return attr
-
-        def forwarded(arg: Any) -> Any:
-            if arg or name == "resize":  # empty move lists are no-ops everywhere
-                self._send(("kv", name, arg))
-            return attr(arg)
-
-        return forwarded

@@ -17,24 +17,16 @@ does not explain. Capturing decode CUDA graphs needs a private pool for their ac
 estimated by a second profiling step at the largest captured decode batch.
 
 ``kv_budget`` is the pure arithmetic (unit-tested on CPU with made-up numbers);
-``MemoryProfiler`` reads the numbers from ``torch.cuda``; ``profile_run`` is the profiling step
-(device-agnostic, so it is tested on CPU too).
+``MemoryProfiler`` reads the numbers from ``torch.cuda``; the profiling step itself is the
+runner's own ``ModelRunner.profile_run`` (device-agnostic, so it is tested on CPU too).
 """
 
 from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-from pagedllm.layers.sampler import SamplingMetadata, sample
-from pagedllm.runner.batch import build_host_batch, fetch
-from pagedllm.runner.cuda_graph import capture_sizes
-
-if TYPE_CHECKING:
-    from pagedllm.runner.model_runner import ModelRunner
 
 GiB = 1024**3
 
@@ -136,55 +128,3 @@ class MemoryProfiler:
             non_torch=non_torch,
             graph_pool=self._peaks.get("decode", 0),
         )
-
-
-def profile_run(runner: ModelRunner, num_tokens: int, num_reqs: int) -> None:
-    """One worst-case step against a throw-away KV cache: ``num_tokens`` new tokens over
-    ``num_reqs`` requests starting at position 0, logits for every request, and sampling with
-    top-k, top-p, min-p, penalties and 20 logprobs. Touches no engine state."""
-    num_reqs = max(1, min(num_reqs, num_tokens))
-    per, extra = divmod(num_tokens, num_reqs)
-    q_lens = [per + (i < extra) for i in range(num_reqs)]
-    bs = runner.block_size
-    tables: list[list[int]] = []
-    nxt = 0
-    for q in q_lens:
-        n = -(-q // bs)
-        tables.append(list(range(nxt, nxt + n)))
-        nxt += n
-    kv = runner.new_kv_cache(nxt)
-    hb = build_host_batch([[0] * q for q in q_lens], [0] * num_reqs, tables, bs)
-    b, dev, vocab = num_reqs, runner.device, runner.vocab_size
-    with torch.inference_mode():
-        ids, pos, meta = runner.uploader.metadata(hb)
-        hidden = runner.run_forward(ids, pos, kv, meta)
-        last = runner.uploader.upload([hb.q_start[1:] - 1])[0]
-        logits = runner.model.compute_logits(hidden[last])
-        md = SamplingMetadata(
-            temperature=torch.ones(b, device=dev), all_greedy=False,
-            top_k=torch.full((b,), 50, dtype=torch.long, device=dev),
-            top_p=torch.full((b,), 0.9, device=dev), min_p=torch.full((b,), 0.05, device=dev),
-            presence_penalty=torch.ones(b, device=dev),
-            frequency_penalty=torch.ones(b, device=dev),
-            repetition_penalty=torch.ones(b, device=dev),
-            output_counts=torch.zeros(b, vocab, device=dev),
-            prompt_mask=torch.zeros(b, vocab, dtype=torch.bool, device=dev),
-            max_num_logprobs=20,
-        )
-        fetch([sample(logits, md).token_ids])
-    del kv
-
-
-def profile_memory(runner: ModelRunner, profiler: MemoryProfiler) -> MemoryProfile:
-    """The profiling steps of a freshly loaded runner (no KV pool yet), measured."""
-    sc = runner.config.scheduler
-    profiler.step()
-    profile_run(runner, sc.max_num_batched_tokens, sc.max_num_seqs)
-    profiler.step_done("prefill")
-    if runner.use_cuda_graphs:  # the graphs' pool holds the largest decode batch's activations
-        g = capture_sizes(sc.max_num_seqs)[-1]
-        profiler.step()
-        profile_run(runner, g, g)
-        profiler.step_done("decode")
-    torch.cuda.empty_cache()
-    return profiler.profile()

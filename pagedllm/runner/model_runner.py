@@ -5,9 +5,10 @@ tensor ops; Python loops run over requests only. On CUDA a step makes one host->
 its batch (pinned, non-blocking), replays a captured graph for decode-only batches
 (runner/cuda_graph.py), and synchronises once, when the sampled tokens come back.
 
-Start-up: the model loads first; with a KV pool to be sized from ``gpu_memory_utilization`` the
-runner profiles the worst-case step (runner/memory.py) before the engine calls
-``init_kv_cache(num_blocks)``.
+Every rank runs ``run_step`` (the step's KV changes, then the forward); rank 0's ``execute``
+wraps it with batch preparation and sampling. Start-up: the model loads first; with a KV pool
+to be sized from ``gpu_memory_utilization`` the runner profiles the worst-case step
+(``profile_run``, measured by runner/memory.py) before the engine calls ``init_kv_cache``.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from pagedllm.layers.sampler import SamplingMetadata, logprob_stats, sample
 from pagedllm.logging_utils import init_logger
 from pagedllm.models.loader import load_model
 from pagedllm.runner.batch import HostBatch, Uploader, build_host_batch, fetch
-from pagedllm.runner.cuda_graph import DecodeGraphs
+from pagedllm.runner.cuda_graph import DecodeGraphs, capture_sizes
 from pagedllm.runner.kv_cache import KVCache
-from pagedllm.runner.memory import MemoryProfile, MemoryProfiler, profile_memory
+from pagedllm.runner.memory import MemoryProfile, MemoryProfiler
 from pagedllm.runner.penalties import PenaltyCounts
-from pagedllm.sched.output import ScheduledRequest, SchedulerOutput
+from pagedllm.sched.output import KVUpdate, ScheduledRequest, SchedulerOutput
 
 logger = init_logger(__name__)
 
@@ -101,7 +102,7 @@ class ModelRunner:
         self.memory_profile: MemoryProfile | None = None
         if profiler is not None:
             profiler.weights_loaded()
-            self.memory_profile = profile_memory(self, profiler)
+            self.memory_profile = self._profile_memory(profiler)
         if num_blocks is not None:
             self.init_kv_cache(num_blocks)
 
@@ -146,6 +147,57 @@ class ModelRunner:
                     meta: AttentionMetadata) -> torch.Tensor:
         """The model over ``kv`` (the pool, or the profiler's throw-away cache): hidden [T, H]."""
         return self.model(input_ids, positions, kv.layers, meta)
+
+    # -- the memory profile (CUDA start-up; runner/memory.py measures) -------------------------------
+    def _profile_memory(self, profiler: MemoryProfiler) -> MemoryProfile:
+        """The profiling steps of a freshly loaded runner (no KV pool yet), measured."""
+        sc = self.config.scheduler
+        profiler.step()
+        self.profile_run(sc.max_num_batched_tokens, sc.max_num_seqs)
+        profiler.step_done("prefill")
+        if self.use_cuda_graphs:  # the graphs' pool holds the largest decode batch's activations
+            g = capture_sizes(sc.max_num_seqs)[-1]
+            profiler.step()
+            self.profile_run(g, g)
+            profiler.step_done("decode")
+        torch.cuda.empty_cache()
+        return profiler.profile()
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_reqs: int) -> None:
+        """One worst-case step against a throw-away KV cache: ``num_tokens`` new tokens over
+        ``num_reqs`` requests starting at position 0, logits for every request, and sampling with
+        top-k, top-p, min-p, penalties and 20 logprobs. Touches no engine state."""
+        num_reqs = max(1, min(num_reqs, num_tokens))
+        per, extra = divmod(num_tokens, num_reqs)
+        q_lens = [per + (i < extra) for i in range(num_reqs)]
+        bs = self.block_size
+        tables: list[list[int]] = []
+        nxt = 0
+        for q in q_lens:
+            n = -(-q // bs)
+            tables.append(list(range(nxt, nxt + n)))
+            nxt += n
+        kv = self.new_kv_cache(nxt)
+        hb = build_host_batch([[0] * q for q in q_lens], [0] * num_reqs, tables, bs)
+        b, dev, vocab = num_reqs, self.device, self.vocab_size
+        ids, pos, meta = self.uploader.metadata(hb)
+        hidden = self.run_forward(ids, pos, kv, meta)
+        last = self.uploader.upload([hb.q_start[1:] - 1])[0]
+        logits = self.model.compute_logits(hidden[last])
+        md = SamplingMetadata(
+            temperature=torch.ones(b, device=dev), all_greedy=False,
+            top_k=torch.full((b,), 50, dtype=torch.long, device=dev),
+            top_p=torch.full((b,), 0.9, device=dev), min_p=torch.full((b,), 0.05, device=dev),
+            presence_penalty=torch.ones(b, device=dev),
+            frequency_penalty=torch.ones(b, device=dev),
+            repetition_penalty=torch.ones(b, device=dev),
+            output_counts=torch.zeros(b, vocab, device=dev),
+            prompt_mask=torch.zeros(b, vocab, dtype=torch.bool, device=dev),
+            max_num_logprobs=20,
+        )
+        fetch([sample(logits, md).token_ids])
+        del kv
 
     # -- batch preparation --------------------------------------------------------------------
     def prepare(self, sched: list[ScheduledRequest]) -> HostBatch:
@@ -210,24 +262,44 @@ class ModelRunner:
             md.frequency_penalty = up.tensor([p.frequency_penalty for p in params], torch.float32)
 
     # -- one step -----------------------------------------------------------------------------
+    def apply_kv_update(self, u: KVUpdate) -> None:
+        """The step's KV changes, in ``KVUpdate``'s documented order, each one batched move."""
+        kv = self.kv_cache
+        if u.resize is not None and u.resize > kv.num_blocks:
+            kv.resize(u.resize)
+        kv.copy_blocks(u.compaction)
+        if u.resize is not None and u.resize < kv.num_blocks:
+            kv.resize(u.resize)
+        kv.swap_out(u.swap_out)
+        kv.copy_blocks(u.block_copies)
+        kv.swap_in(u.swap_in)
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def run_step(self, kv: KVUpdate, batch: HostBatch | None) -> torch.Tensor | None:
+        """What every rank does in a step: the KV changes, then the forward of ``batch`` (None:
+        a KV-only step). Hidden states [T, hidden], or [B, hidden] from a decode graph.
+        Tensor-parallel workers receive this call from rank 0; their all-reduces pair up."""
+        self.apply_kv_update(kv)
+        if batch is None:
+            return None
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)  # [B, hidden]: one row per decode request
+        input_ids, positions, meta = self.uploader.metadata(batch)
+        return self.run_forward(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, hb: HostBatch | None = None) -> RunnerOutput:
+        """Rank 0's step: ``run_step`` over the step's batch (``hb``, if the executor prepared it
+        already), then logits, sampling and logprobs."""
         sched = out.scheduled
         result = RunnerOutput()
         if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
             torch.cuda.set_device(self.device)  # a server steps the engine from its own thread
-        # block moves first, in this order (see SchedulerOutput), each one batched
-        self.kv_cache.swap_out(out.swap_out)
-        self.kv_cache.copy_blocks(out.block_copies)
-        self.kv_cache.swap_in(out.swap_in)
-        if not sched:
+        if sched and hb is None:
+            hb = self.prepare(sched)
+        hidden = self.run_step(out.kv, hb)
+        if hidden is None or hb is None:
             return result
-        hb = self.prepare(sched)
-        if self.graphs is not None and self.graphs.can_run(hb):
-            hidden = self.graphs.run(hb)  # [B, hidden]: one row per decode request
-        else:
-            input_ids, positions, meta = self.uploader.metadata(hb)
-            hidden = self.run_model(input_ids, positions, meta)  # [T, hidden]
 
         q_start = hb.q_start.tolist()
         sampling = [i for i, s in enumerate(sched) if s.samples]
@@ -258,11 +330,6 @@ class ModelRunner:
                 )
         return result
 
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                  meta: AttentionMetadata) -> torch.Tensor:
-        """The forward of a prepared step (a tensor-parallel driver first sends it to its workers)."""
-        return self.run_forward(input_ids, positions, self.kv_cache, meta)
-
     def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor, row0: int) -> PromptLogprobsChunk:
         """Row at position p predicts prompt token p+1, for p < num_prompt_tokens - 1.
 
@@ -289,6 +356,11 @@ class ModelRunner:
             else:
                 topk += [[] for _ in range(b - a)]
         return PromptLogprobsChunk(s.start + 1, chosen, ranks, topk)
+
+    def kv_contents(self) -> list[torch.Tensor]:
+        """Copies of this rank's KV pool planes, on the host (tests and debugging compare ranks:
+        ``executor.collective_rpc(ModelRunner.kv_contents)``)."""
+        return [p.cpu().clone() for p in self.kv_cache.planes]
 
     def release(self, request_ids: list[str]) -> None:
         """Forget per-request state (seeded generators, penalty counts) of finished requests."""

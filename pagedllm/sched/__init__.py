@@ -4,6 +4,7 @@ Pure Python (never imports torch), like ``pagedllm.kv`` below it::
 
     scheduler.py    batching under the token budget, priorities, preemption, forks
     preemption.py   recompute or swap for one victim, and the cost model behind "auto"
+    memory.py       KV memory decisions: elastic grow / shrink, compaction triggers; kv_stats
     output.py       SchedulerOutput: the only thing the runner is told
 """
 

@@ -29,16 +29,53 @@ class ScheduledRequest:
 
 
 @dataclass
+class KVUpdate:
+    """Every change a step makes to the KV tensors. Each rank (the runner, every tensor-parallel
+    worker) applies it before the step's forward, in this order, each list as one batched move:
+
+      1. ``resize``, if it grows the pool     (new blocks: elastic growth)
+      2. ``compaction``  device -> device     (live blocks to the lowest ids; sources and
+                                               destinations are disjoint)
+      3. ``resize``, if it shrinks the pool   (the tail, free after compaction)
+      4. ``swap_out``    device -> host       (preempted by swap; read before any write below)
+      5. ``block_copies`` device -> device    (copy-on-write of shared partial blocks)
+      6. ``swap_in``     host -> device       (into fresh blocks, possibly freed by 2-4)
+
+    Ids in 4-6 are the block ids after 1-3 (the KV manager decided them in that order).
+    """
+
+    resize: int | None = None  # the device pool's size in blocks from this step on
+    compaction: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device ids
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device ids
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+
+    @property
+    def is_empty(self) -> bool:
+        return (self.resize is None and not self.compaction and not self.swap_out
+                and not self.block_copies and not self.swap_in)
+
+
+@dataclass
 class SchedulerOutput:
-    """One step's work. The runner applies, in order: ``swap_out`` (device -> host),
-    ``block_copies`` (copy-on-write, device -> device), ``swap_in`` (host -> device), then the
-    forward of ``scheduled``. Every list is applied as one batched move."""
+    """One step's work: the KV changes (``kv``, applied first) and the forward of ``scheduled``.
+    A step with nothing scheduled only changes the KV tensors (compaction, shrinking a pool)."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device ids
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    kv: KVUpdate = field(default_factory=KVUpdate)
+
+    @property
+    def swap_out(self) -> list[tuple[int, int]]:
+        return self.kv.swap_out
+
+    @property
+    def swap_in(self) -> list[tuple[int, int]]:
+        return self.kv.swap_in
+
+    @property
+    def block_copies(self) -> list[tuple[int, int]]:
+        return self.kv.block_copies
 
     @property
     def num_batched_tokens(self) -> int:

@@ -10,7 +10,7 @@ The last ``reserved_fraction`` of the pool's blocks (``reserved_blocks``) is the
 request may not allocate into it, unless it is the only running request (so that it can always
 make progress; an urgent arrival then preempts it).
 
-Order of a step:
+Order of a step (``KVMemoryPolicy``, sched/memory.py, may first grow an elastic pool):
   1. running requests, most urgent first, each gets the tokens it needs (capped by the budget);
      when the KV pool has no block for one, the least urgent running request (highest priority
      value, latest arrival) is preempted (recompute: blocks freed, back to the waiting queue;
@@ -31,6 +31,7 @@ import logging
 from pagedllm.config import SchedulerConfig
 from pagedllm.kv.manager import KVCacheManager, PrefixHit
 from pagedllm.request import Request, RequestStatus
+from pagedllm.sched.memory import KVMemoryPolicy
 from pagedllm.sched.output import ScheduledRequest, SchedulerOutput
 from pagedllm.sched.preemption import PreemptionCost, choose_preemption
 
@@ -53,6 +54,8 @@ class Scheduler:
         # by mechanism (recompute, swap) and, separately, how many were for a more urgent request
         self.preemptions_by_kind: dict[str, int] = {"recompute": 0, "swap": 0, "priority": 0}
         self.cost_model = PreemptionCost()  # for preemption_mode="auto"; the engine refines it
+        # grow / compact / shrink; the engine replaces it with one built from its CacheConfig
+        self.memory = KVMemoryPolicy(kv, max_num_batched_tokens=config.max_num_batched_tokens)
         # n > 1: parent id -> children forked from it once its prompt (less the last token) is in
         self._forks: dict[str, list[Request]] = {}
         self._fork_parent: dict[str, str] = {}  # pending child id -> parent id
@@ -171,6 +174,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
         out = SchedulerOutput()
+        self.memory.grow(out, self.requests.values(), len(self.running))
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -187,7 +191,7 @@ class Scheduler:
 
         if not out.preempted:
             self._admit_waiting(out, budget)
-        out.block_copies = self.kv.take_block_copies()
+        out.kv.block_copies = self.kv.take_block_copies()
         return out
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
@@ -259,7 +263,7 @@ class Scheduler:
                                      self.kv.num_free_host_blocks)
         pairs = self.kv.swap_out(rid) if how == "swap" else None
         if pairs is not None:
-            out.swap_out.extend(pairs)
+            out.kv.swap_out.extend(pairs)
             bisect.insort(self.swapped, req, key=lambda r: r.sort_key)
         else:
             how = "recompute"
@@ -298,7 +302,7 @@ class Scheduler:
             return None
         pairs = self.kv.swap_in(req.request_id)
         assert pairs is not None
-        out.swap_in.extend(pairs)
+        out.kv.swap_in.extend(pairs)
         self.swapped.remove(req)
         req.status = RequestStatus.RUNNING
         self._insert_running(req)
@@ -335,6 +339,11 @@ class Scheduler:
         child.status = RequestStatus.RUNNING
         self.requests[child.request_id] = child
         self._insert_running(child)
+
+    def end_step(self) -> SchedulerOutput | None:
+        """After a step's outputs are processed: the KV-only step that compacts (a trigger fired)
+        or shrinks the pool (idle), if any (``KVMemoryPolicy.end_step``)."""
+        return self.memory.end_step(self.requests.values(), idle=not self.requests)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed counts, append sampled tokens, fork n > 1 children, apply

@@ -144,8 +144,8 @@ def test_tp2_greedy_matches_tp1(tiny_models: dict[str, Path], arch: str) -> None
         llm = LLM(model=str(tiny_models[arch]), tensor_parallel_size=tp, **ENGINE)
         outs[tp] = llm.generate(_prompts(), sp, use_tqdm=False)
         if tp == 2:
-            runner = llm.engine.runner
-            kv = runner.kv_cache.storage.shape[-2]  # this rank's KV heads
+            runner = llm.engine.executor
+            kv = llm.engine.runner.kv_cache.storage.shape[-2]  # this rank's KV heads
             assert kv == max(1, ModelConfig.from_hf(str(tiny_models[arch])).num_key_value_heads // 2)
             assert runner.comm_stats.allreduce_calls == 2 * 2 * runner.comm_stats.steps  # 2 layers
             pids = [w.pid for w in runner.workers]
@@ -203,7 +203,7 @@ def _run_until_failure(engine: LLMEngine, budget_s: float) -> tuple[WorkerFailur
 def test_killed_worker_fails_the_engine_fast_and_leaves_no_process(tiny_models: dict[str, Path]) -> None:
     before = _spawned_children()
     engine = _engine(tiny_models["llama"])
-    pid = engine.runner.workers[0].pid
+    pid = engine.executor.workers[0].pid
     assert pid in _spawned_children()
     for _ in range(3):
         engine.add_request(f"warm{_}", _prompts()[_], SamplingParams(max_tokens=2))
@@ -223,7 +223,7 @@ def test_killed_worker_fails_the_engine_fast_and_leaves_no_process(tiny_models: 
 @pytest.mark.slow  # ~15 s
 def test_hung_worker_hits_the_collective_timeout(tiny_models: dict[str, Path]) -> None:
     engine = _engine(tiny_models["llama"], timeout_s=3)
-    pid = engine.runner.workers[0].pid
+    pid = engine.executor.workers[0].pid
     os.kill(pid, signal.SIGSTOP)  # alive but silent
     try:
         err, elapsed = _run_until_failure(engine, budget_s=60)
@@ -243,7 +243,7 @@ def test_workers_exit_when_the_engine_process_dies(tiny_models: dict[str, Path],
         "if __name__ == '__main__':\n"
         f"    llm = LLM(model={str(tiny_models['llama'])!r}, tensor_parallel_size=2, block_size=4,\n"
         "              num_kv_blocks=32, max_model_len=64)\n"
-        "    print(llm.engine.runner.workers[0].pid, flush=True)\n"
+        "    print(llm.engine.executor.workers[0].pid, flush=True)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDLLM_LOG_LEVEL": "WARNING"}
@@ -300,7 +300,7 @@ def test_ray_backend_tp2_matches_tp1(tiny_models: dict[str, Path]) -> None:
     ray.init(num_cpus=2, include_dashboard=False)
     try:
         llm = LLM(model=model, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
-        assert "Ray actor" in llm.engine.runner.workers[0].describe()
+        assert "Ray actor" in llm.engine.executor.workers[0].describe()
         outs = llm.generate(_prompts(), sp, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
         llm.engine.shutdown()
