@@ -1,6 +1,13 @@
 """The fast CPU attention backend.
 
-Decode tokens (query_len == 1) of consecutive requests are batched into one SDPA call over their
+Decode tokens (query_len == 1) go to the C++ kernel ``torch.ops.pagedllm.paged_decode``
+(pagedllm/kernels/csrc/paged_attention.cpp) when it is available: one call per layer for every
+decode request of the step, reading K/V rows in place through the block table (no gather copy),
+online softmax in fp32, parallel over (request, kv head). Prefill chunks (query_len > 1) are one
+SDPA call each over the request's gathered context (below). Without the kernel (no compiler,
+``PAGEDLLM_CPU_KERNELS=0``, or ``CpuBackend(use_kernel=False)``), decode takes the SDPA path below.
+
+SDPA path: decode tokens (query_len == 1) of consecutive requests are batched into one SDPA call over their
 gathered blocks, in groups whose gathered K stays under ``decode_group_bytes`` (see below); each
 prefill chunk is one SDPA call over its request's gathered context. GQA never materialises
 repeated K/V: decode folds the query group into the query-length axis, prefill uses
@@ -30,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm import kernels
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata, write_kv
 from pagedllm.attention.quant import KVCacheTensor, QuantizedKV, dequantize, raw
 
@@ -56,19 +64,45 @@ def gather_blocks(
     return flat.index_select(0, index).view(-1, bs, h, d).float()
 
 
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: KVCacheTensor,
+    v_cache: KVCacheTensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """``out`` rows of every decode request (query_len == 1) of the step, through the C++
+    kernel; other rows are left as they are. q/out [T, Hq, D] (fp32/fp16/bf16), caches
+    [num_blocks, block_size, Hkv, D] plain (fp32/fp16/bf16) or ``QuantizedKV`` (int8/fp8);
+    the kernel checks shapes, dtypes and strides."""
+    def parts(c: KVCacheTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return (c.data, c.scale) if isinstance(c, QuantizedKV) else (c, None)
+
+    torch.ops.pagedllm.paged_decode(
+        q, *parts(k_cache), *parts(v_cache), meta.block_tables, meta.seq_lens,
+        meta.query_start_loc, out, scale, sliding_window)
+
+
 class CpuBackend(AttentionBackend):
     name = "cpu"
     supports_quantized_kv = True
     decode_group_bytes: int = 1 << 19  # of gathered K
     workspace_bytes: int = 1 << 24  # largest K (and V) decode gather kept in the workspace
 
-    def __init__(self) -> None:
+    def __init__(self, use_kernel: bool | None = None) -> None:
+        """``use_kernel``: decode through the C++ kernel (None: when it builds or is cached)."""
+        self.use_kernel = kernels.available() if use_kernel is None else use_kernel
+        if self.use_kernel and not kernels.available():
+            raise RuntimeError(f"CPU kernels unavailable: {kernels.unavailable_reason()}")
         # fp32 [2, n] K and V gather buffers reused by every decode call (of every layer): a
         # fresh allocation per call of a few hundred KiB and up costs page faults, measured
         # 1.9x the time of the whole decode call at 16 x 128 tokens in blocks of 256.
         self._workspace = torch.empty(2, 0)
         self._plan_meta: AttentionMetadata | None = None
         self._plan: list[tuple[bool, list[int], int]] = []
+        self._plan_has_decode = False
 
     def _decode_buffers(self, numel: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """K and V gather buffers of ``numel`` fp32 elements, or None past ``workspace_bytes``."""
@@ -93,11 +127,14 @@ class CpuBackend(AttentionBackend):
         assert q.shape[1] % k_cache.shape[2] == 0 and q.shape[2] == k_cache.shape[3]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        for decode, reqs, max_len in self._step_plan(meta, k_cache.shape[2] * k_cache.shape[3] * 4):
-            if decode:
-                self._decode(q, out, k_cache, v_cache, meta, reqs, max_len, scale, sliding_window)
-            else:
+        plan = self._step_plan(meta, k_cache.shape[2] * k_cache.shape[3] * 4)
+        if self.use_kernel and self._plan_has_decode:  # every decode request in one call
+            paged_decode(q, k_cache, v_cache, meta, scale, sliding_window, out)
+        for decode, reqs, max_len in plan:
+            if not decode:
                 self._prefill(q, out, k_cache, v_cache, meta, reqs[0], scale, sliding_window)
+            elif not self.use_kernel:
+                self._decode(q, out, k_cache, v_cache, meta, reqs, max_len, scale, sliding_window)
         return out
 
     def _step_plan(self, meta: AttentionMetadata, row_bytes: int) -> list[tuple[bool, list[int], int]]:
@@ -127,6 +164,7 @@ class CpuBackend(AttentionBackend):
             elif n > 1:
                 plan.append((False, [i], 0))
         self._plan_meta, self._plan = meta, plan
+        self._plan_has_decode = any(decode for decode, _, _ in plan)
         return plan
 
     def _decode(

@@ -22,8 +22,10 @@ peak (``frac_peak``, None where the GPU is not in the table or on CPU) and of a 
 device copy (``frac_copy``); prefill ``paged_TFLOPs`` = causal attention FLOPs
 (4 x Hq x D x L(L+1)/2) / time, and the same for contiguous SDPA.
 
-CPU backend only: ``gather_ms`` times the block-table gather of K and V alone (the CPU backend
-copies the blocks into a dense tensor before SDPA), the part of the paged time contiguous skips;
+CPU backend only: ``decode_path`` says which decode ran (``kernel``: the C++ kernel that reads
+blocks in place; ``sdpa``: the fallback, PAGEDLLM_CPU_KERNELS=0 or no compiler); ``gather_ms``
+times the block-table gather of K and V alone (what the SDPA fallback copies into a dense tensor
+before SDPA, the part of its paged time contiguous skips);
 ``contiguous_masked_ms`` is contiguous decode with the boolean length mask that a batch of ragged
 lengths needs (the paged backend always masks batched decode): SDPA's masked path.
 """
@@ -311,9 +313,15 @@ def run_kernel(
         for bs, frac in summary["decode"]["frac_peak_at_longest"].items():
             checks.append((f"decode KV bandwidth / peak, context {longest}, block {bs}", frac,
                            ">=", BANDWIDTH_TARGET))
+    decode_path = None
+    if backend == "cpu":
+        from pagedllm import kernels
+
+        decode_path = "kernel" if kernels.available() else "sdpa"
     return {
         "benchmark": "kernel",
         "backend": backend,
+        "decode_path": decode_path,
         "device": device,
         "device_name": name,
         "shape": {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
@@ -374,7 +382,9 @@ def _summary(rows: list[dict[str, Any]], phases: tuple[str, ...]) -> dict[str, A
 def report_kernel(res: dict[str, Any], output_dir: Path, output_json: Path | None,
                   make_plots: bool = True) -> list[Path]:
     s = res["shape"]
-    print(f"{res['backend']} backend vs contiguous SDPA on {res['device_name'] or res['device']}; "
+    path = f" ({res['decode_path']} decode)" if res.get("decode_path") else ""
+    print(f"{res['backend']} backend{path} vs contiguous SDPA on "
+          f"{res['device_name'] or res['device']}; "
           f"{s['num_heads']} q heads, {s['num_kv_heads']} kv heads, head_dim {s['head_dim']}, "
           f"{s['dtype']}")
     peak, copy = res["peak_bandwidth_bytes_per_s"], res["copy_bandwidth"].get("bytes_per_s")

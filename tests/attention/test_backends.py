@@ -1,12 +1,16 @@
-"""CpuBackend against TorchRefBackend on random paged batches, and write_kv slot placement."""
+"""CpuBackend against TorchRefBackend on random paged batches (both decode paths: the C++ kernel
+and the SDPA fallback), and write_kv slot placement."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedllm import kernels
 from pagedllm.attention import AttentionBackend, AttentionMetadata, get_backend
 from pagedllm.attention.cpu import CpuBackend
 from pagedllm.attention.torch_ref import TorchRefBackend
@@ -87,6 +91,24 @@ def compare_with_torch_ref(
     assert torch.equal(kc, kc2.cpu()) and torch.equal(vc, vc2.cpu())
 
 
+# The CPU backend's two decode paths: the C++ kernel, and SDPA over gathered blocks (what runs
+# where the kernel cannot be built).
+PATHS = ["kernel", "sdpa"]
+
+
+def require_kernels() -> None:
+    """Kernel tests fail, not skip, when the kernels do not build (unless switched off)."""
+    if os.environ.get("PAGEDLLM_CPU_KERNELS") == "0":
+        pytest.skip("CPU kernels switched off by PAGEDLLM_CPU_KERNELS=0")
+    assert kernels.available(), f"CPU kernels did not build: {kernels.unavailable_reason()}"
+
+
+def cpu_backend(path: str) -> CpuBackend:
+    if path == "kernel":
+        require_kernels()
+    return CpuBackend(use_kernel=path == "kernel")
+
+
 def run_both(
     reqs: list[tuple[int, int]],
     block_size: int,
@@ -97,69 +119,75 @@ def run_both(
     sliding_window: int | None,
     seed: int = 0,
     cpu: CpuBackend | None = None,
+    path: str = "sdpa",
 ) -> None:
-    compare_with_torch_ref(cpu or CpuBackend(), reqs, block_size, num_heads, num_kv_heads,
+    compare_with_torch_ref(cpu or cpu_backend(path), reqs, block_size, num_heads, num_kv_heads,
                            head_dim, dtype, sliding_window, seed)
 
 
 HEADS = [(4, 4), (4, 2), (8, 2), (16, 2), (8, 1)]  # GQA ratios 1, 2, 4, 8; MQA
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
 @pytest.mark.parametrize("block_size", [1, 2, 16, 64, 256])
-def test_mixed_batch_fp32(num_heads: int, num_kv_heads: int, block_size: int) -> None:
+def test_mixed_batch_fp32(path: str, num_heads: int, num_kv_heads: int, block_size: int) -> None:
     # prefill from scratch, prefill chunk after cached context, decodes, a long decode
     reqs = [(0, 7), (5, 1), (13, 4), (0, 1), (40, 1), (3, 1), (70, 9)]
-    run_both(reqs, block_size, num_heads, num_kv_heads, 64, torch.float32, None)
+    run_both(reqs, block_size, num_heads, num_kv_heads, 64, torch.float32, None, path=path)
 
 
-@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_head_dims_and_dtypes(head_dim: int, dtype: torch.dtype) -> None:
+def test_head_dims_and_dtypes(path: str, head_dim: int, dtype: torch.dtype) -> None:
     reqs = [(9, 6), (0, 1), (30, 1), (0, 12)]
-    run_both(reqs, 16, 8, 2, head_dim, dtype, None, seed=head_dim)
+    run_both(reqs, 16, 8, 2, head_dim, dtype, None, seed=head_dim, path=path)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("window", [1, 3, 8, 100])
-def test_sliding_window(block_size: int, window: int) -> None:
+def test_sliding_window(path: str, block_size: int, window: int) -> None:
     reqs = [(0, 20), (17, 5), (25, 1), (2, 1), (50, 3)]
-    run_both(reqs, block_size, 4, 2, 64, torch.float32, window)
+    run_both(reqs, block_size, 4, 2, 64, torch.float32, window, path=path)
 
 
 def test_decode_groups_split() -> None:
-    """Small group budget: decode requests split into several batched calls."""
-    cpu = CpuBackend()
+    """SDPA path, small group budget: decode requests split into several batched calls."""
+    cpu = CpuBackend(use_kernel=False)
     cpu.decode_group_bytes = 2 * 30 * 2 * 64 * 4
     reqs = [(c, 1) for c in (3, 29, 0, 11, 7, 28, 1)] + [(4, 3)] + [(c, 1) for c in (5, 6)]
     run_both(reqs, 4, 8, 2, 64, torch.float32, None, cpu=cpu)
     run_both(reqs, 4, 8, 2, 64, torch.float32, 5, cpu=cpu)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_equal_lengths(block_size: int, dtype: torch.dtype) -> None:
-    """Equal decode lengths take the mask-free path: the gathered view is cut at max_len, so
-    the random (stale) tail of each last block must not be read."""
+def test_decode_equal_lengths(path: str, block_size: int, dtype: torch.dtype) -> None:
+    """Equal decode lengths take the SDPA path's mask-free call: the gathered view is cut at
+    max_len, so the random (stale) tail of each last block must not be read."""
     for reqs in ([(21, 1)] * 5, [(31, 1)] * 3, [(0, 1)] * 4):
-        run_both(reqs, block_size, 8, 2, 64, dtype, None)
+        run_both(reqs, block_size, 8, 2, 64, dtype, None, path=path)
 
 
 def test_decode_workspace_reused() -> None:
-    """One backend across batches of growing and shrinking size (the decode gather workspace is
-    reused and regrown), and with the workspace switched off (fresh gathers)."""
-    cpu = CpuBackend()
+    """SDPA path: one backend across batches of growing and shrinking size (the decode gather
+    workspace is reused and regrown), and with the workspace switched off (fresh gathers)."""
+    cpu = CpuBackend(use_kernel=False)
     for reqs in ([(5, 1)] * 3, [(40, 1), (9, 1)] * 4, [(2, 1), (17, 1)], [(70, 1)] * 6):
         run_both(reqs, 16, 8, 2, 64, torch.float32, None, cpu=cpu)
     cpu.workspace_bytes = 0
     run_both([(40, 1), (9, 1)] * 4, 16, 8, 2, 64, torch.float32, None, cpu=cpu)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("window", [1, 5, 16, 40])
-def test_decode_window_skips_blocks(window: int) -> None:
-    """Sliding-window decode starts at the first block any request of the group still sees."""
+def test_decode_window_skips_blocks(path: str, window: int) -> None:
+    """Sliding-window decode starts at the first block any request still sees."""
     reqs = [(c, 1) for c in (60, 44, 63, 50, 61)]
-    run_both(reqs, 4, 8, 2, 64, torch.float32, window)
+    run_both(reqs, 4, 8, 2, 64, torch.float32, window, path=path)
 
 
 @settings(max_examples=25, deadline=None)
@@ -172,6 +200,7 @@ def test_decode_window_skips_blocks(window: int) -> None:
     head_dim=st.sampled_from([64, 80, 128]),
     window=st.sampled_from([None, None, 1, 6, 32]),
     seed=st.integers(0, 2**16),
+    path=st.sampled_from(PATHS),
 )
 def test_random_batches(
     reqs: list[tuple[int, int]],
@@ -180,8 +209,10 @@ def test_random_batches(
     head_dim: int,
     window: int | None,
     seed: int,
+    path: str,
 ) -> None:
-    run_both(reqs, block_size, heads[0], heads[1], head_dim, torch.float32, window, seed=seed)
+    run_both(reqs, block_size, heads[0], heads[1], head_dim, torch.float32, window, seed=seed,
+             path=path)
 
 
 def assert_slots_hold(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

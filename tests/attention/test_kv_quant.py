@@ -13,7 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from aot_compile import compile_kernels  # noqa: E402
-from test_backends import TOL, make_batch  # noqa: E402
+from test_backends import TOL, cpu_backend, make_batch  # noqa: E402
 
 from pagedllm.attention import get_backend  # noqa: E402
 from pagedllm.attention.quant import (  # noqa: E402
@@ -41,7 +41,8 @@ def _triton_ok() -> bool:
     return common.INTERPRET or torch.cuda.is_available()
 
 
-BACKENDS = ["cpu", pytest.param("triton", marks=pytest.mark.skipif(
+# "cpu" runs the C++ decode kernel, "cpu-sdpa" the CPU backend's SDPA fallback
+BACKENDS = ["cpu", "cpu-sdpa", pytest.param("triton", marks=pytest.mark.skipif(
     not _triton_ok(), reason="triton missing, or imported without TRITON_INTERPRET=1 and no GPU"))]
 
 
@@ -125,7 +126,10 @@ def test_backend_matches_reference_on_quantized_cache(
     vc = _qcache((nb, block_size, hkv, d), vd, gen, dtype)
     kc2, vc2 = _clone(kc), _clone(vc)
     ref = TorchRefBackend().forward(q, k, v, kc, vc, meta, d**-0.5)
-    be = get_backend(backend, "cpu" if backend == "cpu" or not torch.cuda.is_available() else "cuda")
+    if backend.startswith("cpu"):
+        be = cpu_backend("kernel" if backend == "cpu" else "sdpa")
+    else:
+        be = get_backend(backend, "cuda" if torch.cuda.is_available() else "cpu")
     out = be.forward(q, k, v, kc2, vc2, meta, d**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     assert _same(kc, kc2) and _same(vc, vc2)

@@ -1,0 +1,134 @@
+"""pagedllm's C++ CPU kernels (``torch.ops.pagedllm``), compiled on first use and cached.
+
+The sources in ``csrc/`` are built at run time on the machine that runs them (``-O3
+-march=native``, so the code fits this CPU: a CI machine or a user's laptop builds its own), with
+the compiler and paths ``torch.utils.cpp_extension`` uses (``CXX`` overrides the compiler), into
+one shared library that registers its ops with the dispatcher. The library is cached under
+``$PAGEDLLM_CACHE_DIR`` (default ``$XDG_CACHE_HOME/pagedllm`` or ``~/.cache/pagedllm``), in
+``kernels/<key>/`` where key hashes the sources, the flags, the torch version, the compiler and
+the CPU: a second process (or a second run) loads it without compiling; a build is serialised
+across processes by a file lock and published by an atomic rename.
+
+Where there is no compiler or the build fails, ``available()`` is False and callers take their
+pure-torch path; one warning says why and how to fix it. ``PAGEDLLM_CPU_KERNELS=0`` switches the
+kernels off (no build is attempted).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from pagedllm.logging_utils import init_logger
+
+logger = init_logger(__name__)
+
+SOURCES = ("paged_attention.cpp",)
+_CSRC = Path(__file__).parent / "csrc"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC",
+         "-fno-math-errno", "-fno-trapping-math", "-w")
+
+_state: dict[str, object] = {}  # "loaded": bool, "error": str | None, "path": Path
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAGEDLLM_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg) / "pagedllm" if xdg else Path.home() / ".cache" / "pagedllm"
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the machine and its CPU's model and feature flags."""
+    text = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = "".join(line for line in f if line.startswith(("model name", "flags")))
+    except OSError:
+        pass
+    return platform.machine() + "|" + " ".join(sorted(set(text.split())))
+
+
+def _command(out: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = int(torch.compiled_with_cxx11_abi())
+    cmd = [cpp_extension.get_cxx_compiler(), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
+    cmd += [str(_CSRC / s) for s in SOURCES]
+    cmd += [f"-L{p}" for p in cpp_extension.library_paths()]
+    cmd += ["-lc10", "-ltorch_cpu", "-o", str(out)]
+    return cmd
+
+
+def _key() -> str:
+    h = hashlib.sha256()
+    for name in sorted(p.name for p in _CSRC.iterdir()):
+        h.update(name.encode() + b"\0" + (_CSRC / name).read_bytes())
+    from torch.utils import cpp_extension
+
+    h.update(" ".join([*FLAGS, cpp_extension.get_cxx_compiler(), torch.__version__,
+                       _cpu_id()]).encode())
+    return h.hexdigest()[:16]
+
+
+def _build(lib: Path) -> None:
+    """Compile into ``lib`` unless another process already did; raises on failure."""
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with open(lib.parent / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; the others wait, then load
+        if lib.exists():
+            return
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+        os.close(fd)
+        cmd = _command(Path(tmp))
+        logger.info("compiling pagedllm CPU kernels (once per machine) into %s", lib.parent)
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:  # the compiler itself is missing
+            os.unlink(tmp)
+            raise RuntimeError(f"{cmd[0]}: {e}") from e
+        if r.returncode != 0:
+            os.unlink(tmp)
+            tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-15:])
+            raise RuntimeError(f"{shlex.join(cmd)} failed:\n{tail}")
+        os.replace(tmp, lib)
+
+
+def available() -> bool:
+    """True once ``torch.ops.pagedllm`` holds the kernels (built or loaded on the first call)."""
+    if "loaded" in _state:
+        return bool(_state["loaded"])
+    _state["loaded"], _state["error"] = False, None
+    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+        _state["error"] = "switched off by PAGEDLLM_CPU_KERNELS=0"
+        return False
+    lib = cache_dir() / "kernels" / _key() / "pagedllm_kernels.so"
+    try:
+        if not lib.exists():
+            _build(lib)
+        torch.ops.load_library(str(lib))
+    except Exception as e:  # no compiler, a failed build, a library that does not load
+        _state["error"] = str(e)
+        warnings.warn(
+            f"pagedllm CPU kernels unavailable, using the slower pure-torch paths: {e}\n"
+            "Install a C++ compiler (g++) or point CXX at one; PAGEDLLM_CPU_KERNELS=0 skips "
+            "this attempt.", RuntimeWarning, stacklevel=2)
+        return False
+    _state["loaded"], _state["path"] = True, lib
+    return True
+
+
+def unavailable_reason() -> str | None:
+    """Why ``available()`` is False (None before the first call or when loaded)."""
+    return _state.get("error")  # type: ignore[return-value]

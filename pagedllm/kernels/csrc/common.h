@@ -1,0 +1,172 @@
+// Element conversions and small vector loops shared by the CPU kernels. Loops are plain C++
+// under `omp simd` (built with -O3 -march=native -fopenmp), so the compiler vectorises them for
+// the machine that builds them; fp16 uses F16C conversions where the CPU has them.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace pagedllm {
+
+enum class Kind { F32, F16, BF16, I8, E4M3, E5M2 };
+
+inline Kind kind_of(at::ScalarType t, const char* name) {
+  switch (t) {
+    case at::kFloat: return Kind::F32;
+    case at::kHalf: return Kind::F16;
+    case at::kBFloat16: return Kind::BF16;
+    case at::kChar: return Kind::I8;
+    case at::kFloat8_e4m3fn: return Kind::E4M3;
+    case at::kFloat8_e5m2: return Kind::E5M2;
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", t);
+  }
+}
+
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// fp8 bit patterns -> fp32, exact (a table per format, built once from c10's conversions).
+inline const float* fp8_table(Kind k) {
+  static const auto tables = [] {
+    std::array<std::array<float, 256>, 2> t{};
+    for (int i = 0; i < 256; ++i) {
+      t[0][i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i),
+                                                      c10::Float8_e4m3fn::from_bits()));
+      t[1][i] = static_cast<float>(c10::Float8_e5m2(static_cast<uint8_t>(i),
+                                                    c10::Float8_e5m2::from_bits()));
+    }
+    return t;
+  }();
+  return (k == Kind::E4M3 ? tables[0] : tables[1]).data();
+}
+
+// dst[0:n] = src[0:n] (of kind k) * s, in fp32. Dequantizing is exact: an 8-bit value times a
+// bf16 scale fits an fp32 mantissa, so this equals attention/quant.py's dequantize bit for bit.
+inline void to_float(Kind k, const void* src, float s, float* __restrict dst, int64_t n) {
+  switch (k) {
+    case Kind::F32: {
+      const float* x = static_cast<const float*>(src);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) dst[i] = x[i] * s;
+      break;
+    }
+    case Kind::BF16: {
+      const uint16_t* x = static_cast<const uint16_t*>(src);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(x[i]) * s;
+      break;
+    }
+    case Kind::F16: {
+      const uint16_t* x = static_cast<const uint16_t*>(src);
+      int64_t i = 0;
+#if defined(__F16C__)
+      for (; i + 8 <= n; i += 8) {
+        __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(f, _mm256_set1_ps(s)));
+      }
+#endif
+      for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(x[i]) * s;
+      break;
+    }
+    case Kind::I8: {
+      const int8_t* x = static_cast<const int8_t*>(src);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(x[i]) * s;
+      break;
+    }
+    case Kind::E4M3:
+    case Kind::E5M2: {
+      const uint8_t* x = static_cast<const uint8_t*>(src);
+      const float* lut = fp8_table(k);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) dst[i] = lut[x[i]] * s;
+      break;
+    }
+  }
+}
+
+// dst[0:n] (of kind k: fp32 / fp16 / bf16, round to nearest even) = src[0:n] * s.
+inline void from_float(Kind k, const float* src, float s, void* dst, int64_t n) {
+  switch (k) {
+    case Kind::F32: {
+      float* y = static_cast<float*>(dst);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) y[i] = src[i] * s;
+      break;
+    }
+    case Kind::F16: {
+      c10::Half* y = static_cast<c10::Half*>(dst);
+      for (int64_t i = 0; i < n; ++i) y[i] = c10::Half(src[i] * s);
+      break;
+    }
+    case Kind::BF16: {
+      c10::BFloat16* y = static_cast<c10::BFloat16*>(dst);
+      for (int64_t i = 0; i < n; ++i) y[i] = c10::BFloat16(src[i] * s);
+      break;
+    }
+    default: TORCH_CHECK(false, "outputs are fp32, fp16 or bf16");
+  }
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {  // one 16-lane accumulator, one tree reduction (GCC's own epilogue for
+    __m512 acc = _mm512_setzero_ps();  // a `simd reduction` loop sums 16 lanes one by one)
+    for (int64_t i = 0; i < n; i += 16)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+inline void scale_row(float* y, float a, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] *= a;
+}
+
+// exp(x) for x <= ~88 (Cephes' expf: range reduction by ln 2, degree-5 polynomial, 2^n from
+// the exponent bits), within 2 ulp; branch-free so `omp simd` loops vectorise it. Inputs below
+// -87.3 give 0.
+#pragma omp declare simd
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.33654f), 88.37626f);
+  float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float p;
+  std::memcpy(&p, &bits, 4);
+  return y * p;
+}
+
+}  // namespace pagedllm

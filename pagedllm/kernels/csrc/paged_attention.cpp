@@ -1,0 +1,249 @@
+// Paged decode attention on CPU, reading K/V rows in place through the block table.
+//
+// One work item = (decode request r, kv heads [h0, h1)): all of r's kv heads unless there are
+// fewer requests than threads. Over positions [lo, L) of r (lo = L - window with a sliding
+// window, else 0), in tiles of TILE positions, for each kv head h: resolve the tile's K rows to
+// fp32 (an fp32 cache is read where it lies; fp16 / bf16 / int8 / fp8 rows are converted, times
+// their scale, into a buffer that stays in L1), score them against h's G = Hq / Hkv query heads
+// (attention_tile.h), update the online softmax (running max m, sum l, fp32 accumulator rescaled
+// by exp(m_old - m_new)), then accumulate the tile's V rows.
+//
+//   position p of request r:  block = block_tables[r, p / block_size], offset = p % block_size
+//   K row (p, h) = k_cache[block, offset, h, :]   (strides from the tensor; last dim contiguous)
+//
+// Work items are split over at::parallel_for threads in contiguous ranges of roughly equal cost
+// (positions read), so a batch of ragged lengths does not leave a thread idle. Each item's
+// arithmetic does not depend on the split: the output has the same bits at any thread count.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "attention_tile.h"
+#include "common.h"
+
+namespace pagedllm {
+namespace {
+
+struct CacheView {  // one layer's K or V cache, as raw bytes and element strides
+  const char* data;
+  int64_t elem;
+  Kind kind;
+  int64_t s_block, s_off, s_head;
+  const uint16_t* scale;  // bf16 bits [num_blocks, block_size, Hkv], or null (unquantized)
+  int64_t c_block, c_off, c_head;
+};
+
+CacheView view_of(const at::Tensor& cache, const std::optional<at::Tensor>& scale,
+                  const char* name) {
+  TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1, name,
+              " cache must be [num_blocks, block_size, Hkv, D] with a contiguous last dim");
+  CacheView v{static_cast<const char*>(cache.data_ptr()), cache.element_size(),
+              kind_of(cache.scalar_type(), name), cache.stride(0), cache.stride(1),
+              cache.stride(2), nullptr, 0, 0, 0};
+  bool quantized = v.kind == Kind::I8 || v.kind == Kind::E4M3 || v.kind == Kind::E5M2;
+  TORCH_CHECK(quantized == scale.has_value(), name,
+              quantized ? " cache is int8/fp8 and needs its scales"
+                        : " cache is not quantized but scales were given");
+  if (quantized) {
+    const at::Tensor& s = *scale;
+    TORCH_CHECK(s.scalar_type() == at::kBFloat16 && s.dim() == 3 && s.size(0) == cache.size(0) &&
+                    s.size(1) == cache.size(1) && s.size(2) == cache.size(2),
+                name, " scales must be bf16 [num_blocks, block_size, Hkv]");
+    v.scale = static_cast<const uint16_t*>(s.data_ptr());
+    v.c_block = s.stride(0);
+    v.c_off = s.stride(1);
+    v.c_head = s.stride(2);
+  }
+  return v;
+}
+
+struct Scratch {
+  std::vector<float> q, acc, m, l, p, kbuf, vbuf, zero;
+  std::vector<const float*> krows, vrows;
+  std::vector<int64_t> blk, off;  // the tile's positions: block id, offset in the block
+  Scratch(int64_t heads, int64_t d)
+      : q(heads * d), acc(heads * d), m(heads), l(heads), p(heads * TILE), kbuf(TILE * d),
+        vbuf(TILE * d), zero(d), krows(TILE), vrows(TILE), blk(TILE), off(TILE) {}
+};
+
+// Row pointers of head h at the tile's n positions (then zero rows up to n16): into the cache
+// for fp32, else converted (and scaled) into buf.
+void tile_rows(const CacheView& c, const Scratch& s, int64_t n, int64_t n16, int64_t h,
+               int64_t d, float* buf, const float** rows) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t blk = s.blk[i], off = s.off[i];
+    const char* src = c.data + (blk * c.s_block + off * c.s_off + h * c.s_head) * c.elem;
+    if (c.kind == Kind::F32) {
+      rows[i] = reinterpret_cast<const float*>(src);
+    } else {
+      float sc = c.scale ? bf16_to_float(c.scale[blk * c.c_block + off * c.c_off + h * c.c_head])
+                         : 1.0f;
+      to_float(c.kind, src, sc, buf + i * d, d);
+      rows[i] = buf + i * d;
+    }
+  }
+  for (int64_t i = n; i < n16; ++i) rows[i] = s.zero.data();
+}
+
+struct Problem {
+  const at::Tensor& q;
+  at::Tensor& out;
+  CacheView k, v;
+  const int32_t* tables;
+  int64_t table_stride, block_size, group, d;
+  float scale;
+  Kind q_kind, out_kind;
+  ScoresFn scores;
+  ValuesFn values;
+};
+
+// Request r (query row `row`, positions [lo, hi)), kv heads [h0, h1): out rows of their query
+// heads. Query head j = h * group + g of kv head h (HF's repeat_kv order) is local row
+// (h - h0) * group + g of the scratch buffers.
+void attend(const Problem& pb, Scratch& s, int64_t r, int64_t row, int64_t lo, int64_t hi,
+            int64_t h0, int64_t h1) {
+  const int64_t d = pb.d, gn = pb.group, nq = (h1 - h0) * gn;
+  for (int64_t j = 0; j < nq; ++j) {  // q pre-scaled by the softmax scale, in fp32
+    const char* src = static_cast<const char*>(pb.q.data_ptr()) +
+                      (row * pb.q.stride(0) + (h0 * gn + j) * pb.q.stride(1)) * pb.q.element_size();
+    to_float(pb.q_kind, src, pb.scale, s.q.data() + j * d, d);
+    s.m[j] = -1e30f;  // finite: exp(m_old - m_new) underflows to 0 on the first tile
+    s.l[j] = 0.0f;
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + nq * d, 0.0f);
+  const int32_t* table = pb.tables + r * pb.table_stride;
+  for (int64_t p0 = lo; p0 < hi; p0 += TILE) {
+    const int64_t n = std::min(TILE, hi - p0), n16 = (n + 15) / 16 * 16;
+    for (int64_t i = 0, bi = p0 / pb.block_size, off = p0 % pb.block_size; i < n; ++i) {
+      s.blk[i] = table[bi];
+      s.off[i] = off;
+      if (++off == pb.block_size) off = 0, ++bi;
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t j0 = (h - h0) * gn;
+      float *pj0 = s.p.data() + j0 * TILE, *acc = s.acc.data() + j0 * d;
+      tile_rows(pb.k, s, n, n16, h, d, s.kbuf.data(), s.krows.data());
+      pb.scores(s.q.data() + j0 * d, gn, d, s.krows.data(), n16, pj0);
+      for (int64_t j = j0; j < j0 + gn; ++j) {  // online softmax over the tile
+        float* pj = s.p.data() + j * TILE;
+        float mx = s.m[j];
+        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, pj[i]);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) {
+          pj[i] = exp_approx(pj[i] - mx);
+          sum += pj[i];
+        }
+        for (int64_t i = n; i < n16; ++i) pj[i] = 0.0f;
+        float alpha = exp_approx(s.m[j] - mx);
+        s.l[j] = s.l[j] * alpha + sum;
+        s.m[j] = mx;
+        if (alpha != 1.0f) scale_row(s.acc.data() + j * d, alpha, d);
+      }
+      tile_rows(pb.v, s, n, n16, h, d, s.vbuf.data(), s.vrows.data());
+      pb.values(acc, gn, d, pj0, s.vrows.data(), n16);
+    }
+  }
+  for (int64_t j = 0; j < nq; ++j) {
+    char* dst = static_cast<char*>(pb.out.data_ptr()) +
+                (row * pb.out.stride(0) + (h0 * gn + j) * pb.out.stride(1)) * pb.out.element_size();
+    from_float(pb.out_kind, s.acc.data() + j * d, 1.0f / s.l[j], dst, d);
+  }
+}
+
+}  // namespace
+
+// Decode attention for every request with exactly one query token (query_start_loc[i + 1] -
+// query_start_loc[i] == 1); rows of other requests are left untouched in out.
+void paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                  const std::optional<at::Tensor>& k_scale, const at::Tensor& v_cache,
+                  const std::optional<at::Tensor>& v_scale, const at::Tensor& block_tables,
+                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, at::Tensor out,
+                  double scale, std::optional<int64_t> sliding_window) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "paged_decode runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, Hq, D], contiguous last dim");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.scalar_type() == q.scalar_type(),
+              "out must be like q");
+  const Kind q_kind = kind_of(q.scalar_type(), "q");
+  TORCH_CHECK(q_kind == Kind::F32 || q_kind == Kind::F16 || q_kind == Kind::BF16,
+              "q must be fp32, fp16 or bf16");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
+  const int64_t hkv = k_cache.size(2), d = k_cache.size(3), hq = q.size(1);
+  TORCH_CHECK(q.size(2) == d && hq % hkv == 0, "q heads/dim do not fit the cache's");
+  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->stride(-1) == 1 && t->device().is_cpu(),
+                "block_tables, seq_lens, query_start_loc must be int32 CPU tensors with a "
+                "contiguous last dim");
+  const int64_t num_reqs = seq_lens.size(0);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) >= num_reqs &&
+                  query_start_loc.size(0) == num_reqs + 1,
+              "block_tables [B, max_blocks], query_start_loc [B + 1] for seq_lens [B]");
+  TORCH_CHECK(!sliding_window.has_value() || *sliding_window >= 1, "sliding_window must be >= 1");
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t block_size = k_cache.size(1), max_blocks = block_tables.size(1);
+
+  // Work items: (decode request, range of kv heads), all heads of a request in one item (its
+  // K/V rows read in address order) unless there are fewer requests than threads.
+  struct Item {
+    int64_t r, row, lo, hi;
+  };
+  std::vector<Item> reqs;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    if (qsl[r + 1] - qsl[r] != 1) continue;
+    int64_t hi = lens[r], lo = sliding_window ? std::max<int64_t>(0, hi - *sliding_window) : 0;
+    TORCH_CHECK(hi >= 1 && hi <= max_blocks * block_size, "seq_lens[", r, "] = ", hi,
+                " does not fit its block table");
+    reqs.push_back({r, qsl[r], lo, hi});
+  }
+  if (reqs.empty()) return;
+  const int64_t threads = at::get_num_threads(), nr = static_cast<int64_t>(reqs.size());
+  const int64_t splits = std::min(hkv, (threads + nr - 1) / nr);
+  const int64_t per = (hkv + splits - 1) / splits, n_items = nr * splits;
+  std::vector<int64_t> cost(n_items + 1, 0);  // prefix sums of positions read, + an overhead
+  for (int64_t i = 0; i < n_items; ++i) {
+    const Item& it = reqs[i / splits];
+    cost[i + 1] = cost[i] + (it.hi - it.lo + 16) * per;
+  }
+  const int64_t n_chunks = std::min(threads, n_items);
+  std::vector<int64_t> bounds(n_chunks + 1, n_items);
+  bounds[0] = 0;
+  for (int64_t c = 1, i = 0; c < n_chunks; ++c) {
+    while (i < n_items && cost[i] * n_chunks < cost[n_items] * c) ++i;
+    bounds[c] = i;
+  }
+  Problem pb{q,     out,        view_of(k_cache, k_scale, "k"), view_of(v_cache, v_scale, "v"),
+             block_tables.data_ptr<int32_t>(),  block_tables.stride(0), block_size, hq / hkv, d,
+             static_cast<float>(scale), q_kind, q_kind, nullptr, nullptr};
+  tile_fns(d, pb.scores, pb.values);
+  at::parallel_for(0, n_chunks, 1, [&](int64_t c0, int64_t c1) {
+    Scratch s(per * pb.group, d);
+    for (int64_t i = bounds[c0]; i < bounds[c1]; ++i) {
+      const Item& it = reqs[i / splits];
+      const int64_t h0 = (i % splits) * per;
+      if (h0 < hkv) attend(pb, s, it.r, it.row, it.lo, it.hi, h0, std::min(hkv, h0 + per));
+    }
+  });
+}
+
+}  // namespace pagedllm
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def(
+      "paged_decode(Tensor q, Tensor k_cache, Tensor? k_scale, Tensor v_cache, Tensor? v_scale, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor(a!) out, float scale, "
+      "int? sliding_window) -> ()",
+      &pagedllm::paged_decode);
+}
