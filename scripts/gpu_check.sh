@@ -229,8 +229,6 @@ for name in ("throughput.json", "throughput-eager.json"):
         print(f"   {pair}: output tok/s x{r['output_tokens_per_s']:.2f}")
     for pair, m in t["greedy_output_agreement"].items():
         print(f"   greedy outputs identical {pair}: {m:.0%}")
-    for x in t["targets"]:
-        print(f"   target {x['target']}: {x['value']} -> {'met' if x['met'] else 'MISSED'}")
 EOF
 fi
 log "done in ${SECONDS}s; results in $OUT"

@@ -45,13 +45,15 @@ class EngineBackend:
 
     def __init__(self, name: str, engine_kwargs: dict[str, Any], policy: str = "paged") -> None:
         from pagedllm.bench.contiguous import ContiguousScheduler
-        from pagedllm.bench.probe import recording
+        from pagedllm.bench.probe import StepTrace
         from pagedllm.engine import LLMEngine
         from pagedllm.sched import Scheduler
 
-        base = ContiguousScheduler if policy == "contiguous" else Scheduler
+        policy_cls = ContiguousScheduler if policy == "contiguous" else Scheduler
         self.name = name
-        self.engine = LLMEngine.from_args(scheduler_cls=recording(base), **engine_kwargs)
+        self.engine = LLMEngine.from_args(scheduler_cls=policy_cls, **engine_kwargs)
+        self.trace = StepTrace()  # the engine's step records of the last run
+        self.step_prepare_s: list[float] = []
         self.device = str(engine_kwargs.get("device") or "cpu")
 
     def run(self, reqs: list[BenchRequest]) -> RunResult:
@@ -60,8 +62,9 @@ class EngineBackend:
         eng = self.engine
         eng.kv.reset_prefix_cache()  # a repetition must not hit the previous one's blocks
         eng.kv.stats.reset()
-        trace = eng.scheduler.trace  # type: ignore[attr-defined]
+        trace = self.trace
         trace.restart()
+        self.step_prepare_s.clear()
         preempted_before = eng.num_preemptions
         ids = [f"b{i}" for i in range(len(reqs))]
         outputs: dict[str, list[int]] = {}
@@ -74,6 +77,8 @@ class EngineBackend:
             for o in eng.step():
                 if o.finished:
                     outputs[o.request_id] = list(o.outputs[0].token_ids)
+            trace.add(eng.stats)
+            self.step_prepare_s.append(eng.stats.prepare_time_s)
         synchronize(self.device)
         elapsed = time.perf_counter() - t0
         outs = [outputs[i] for i in ids]

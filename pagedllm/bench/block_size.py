@@ -7,18 +7,20 @@ the workload run ``reps`` times interleaved across block sizes. Reported:
   concurrency;
 - KV utilization (live / reserved slots) and internal fragmentation (1 - utilization: the
   unused tail of each request's last block);
-- table-lookup overhead: time per step in ``ModelRunner.prepare`` (block tables -> slot mapping)
-  and in the attention backend (gathering K/V through the block tables), per step and as a
-  share of the step.
+- table-lookup overhead: time per step in ``ModelRunner.prepare`` (block tables -> slot mapping,
+  from the engine's step records) and in the attention backend (gathering K/V through the
+  block tables; a registered backend that clocks the chosen one, ``timed_backend``), per step
+  and as a share of the step.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedllm.bench.harness import interleaved, timing
 from pagedllm.bench.report import format_table, machine_info, plot, write_json
 from pagedllm.bench.workload import BenchRequest, WorkloadSpec, summarize
 
@@ -28,29 +30,39 @@ COLUMNS = ("block_size", "num_blocks", "output_tokens_per_s", "peak_running", "k
            "attention_share")
 
 
-class _Timed:
-    """Wraps a bound method; accumulates its wall time (instance attribute shadows the class's)."""
+def timed_backend(name: str | None, device: str) -> str:
+    """Register (once) an attention backend that is ``name``'s (None: the device's default)
+    plus a clock around ``forward``; returns its registered name. The engine's instance
+    (``engine.runner.backend``) then holds the seconds spent in attention in ``total_s``."""
+    from pagedllm.attention.registry import available_backends, get_backend, register_backend
 
-    def __init__(self, fn: Any) -> None:
-        self.fn, self.total, self.calls = fn, 0.0, 0
+    base = type(get_backend(name, device))
+    timed_name = f"timed-{base.name}"
+    if timed_name in available_backends():
+        return timed_name
 
-    def __call__(self, *a: Any, **k: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return self.fn(*a, **k)
-        finally:
-            self.total += time.perf_counter() - t
-            self.calls += 1
+    class Timed(base):  # type: ignore[valid-type, misc]
+        total_s = 0.0
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                self.total_s += time.perf_counter() - t
+
+    Timed.name = timed_name
+    Timed.__name__ = Timed.__qualname__ = f"Timed{base.__name__}"
+    register_backend(timed_name, Timed)
+    return timed_name
 
 
 @dataclass
-class _Entry:
-    block_size: int
-    num_blocks: int
-    backend: Any
-    prep: _Timed
-    attn: _Timed
-    runs: list[tuple[Any, float, float, int]] = field(default_factory=list)  # result, s, s, steps
+class _Run:
+    result: Any
+    prepare_s: float
+    attention_s: float
+    steps: int
 
 
 def run_block_size(
@@ -64,57 +76,55 @@ def run_block_size(
     from pagedllm.bench.baselines import EngineBackend
 
     mml = spec.max_model_len
-    entries: list[_Entry] = []
+    attention = timed_backend(engine_kwargs.get("attention_backend"),
+                              str(engine_kwargs.get("device") or "cpu"))
+    backends = []
     for bs in sizes:
         nb = budget_tokens // bs
         if nb < -(-mml // bs):
             raise ValueError(f"budget_tokens={budget_tokens} holds {nb} blocks of {bs}, fewer than "
                              f"one max_model_len={mml} request needs; raise --budget-tokens")
-        kw = {**engine_kwargs, "block_size": bs, "num_kv_blocks": nb, "kv_cache_memory": None}
-        b = EngineBackend(f"bs{bs}", kw, "paged")
-        prep = _Timed(b.engine.runner.prepare)
-        b.engine.runner.prepare = prep  # type: ignore[method-assign]
-        attn = _Timed(b.engine.runner.backend.forward)
-        b.engine.runner.backend.forward = attn  # type: ignore[method-assign]
-        b.run(reqs[:2])  # warm-up
-        entries.append(_Entry(bs, nb, b, prep, attn))
-    for rep in range(reps):
-        k = rep % len(entries)
-        for e in entries[k:] + entries[:k]:
-            e.prep.total = e.attn.total = 0.0
-            e.prep.calls = 0
-            res = e.backend.run(reqs)
-            e.runs.append((res, e.prep.total, e.attn.total, e.prep.calls))
+        kw = {**engine_kwargs, "block_size": bs, "num_kv_blocks": nb, "kv_cache_memory": None,
+              "attention_backend": attention}
+        backends.append(EngineBackend(f"bs{bs}", kw, "paged"))
 
+    def run(b: EngineBackend) -> _Run:
+        backend = b.engine.runner.backend
+        backend.total_s = 0.0  # type: ignore[attr-defined]
+        res = b.run(reqs)
+        return _Run(res, sum(b.step_prepare_s), backend.total_s,  # type: ignore[attr-defined]
+                    len(b.trace.t))
+
+    runs = interleaved(backends, run, reps, warmup=lambda b: b.run(reqs[:2]))
     rows = []
-    for e in entries:
-        res, prep_s, attn_s, steps = min(e.runs, key=lambda r: r[0].elapsed_s)  # least disturbed
+    for bs, b, rs in zip(sizes, backends, runs):
+        best = min(rs, key=lambda r: r.result.elapsed_s)  # least disturbed (bench.harness)
+        res, steps = best.result, best.steps
         util = res.stats["kv_utilization"]
         rows.append({
-            "block_size": e.block_size,
-            "num_blocks": e.num_blocks,
+            "block_size": bs,
+            "num_blocks": b.engine.kv.num_blocks,
             "output_tokens_per_s": res.output_tokens / res.elapsed_s,
             "total_tokens_per_s": (res.prompt_tokens + res.output_tokens) / res.elapsed_s,
-            "elapsed_s": res.elapsed_s,
-            "elapsed_s_all": [r[0].elapsed_s for r in e.runs],
+            **timing([r.result.elapsed_s for r in rs]),
             "steps": steps,
             "peak_running": res.stats["peak_running"],
             "mean_running": res.stats["mean_running"],
             "kv_utilization": util,
             "internal_fragmentation": 1.0 - util,
-            "prepare_ms_per_step": 1e3 * prep_s / max(steps, 1),
-            "attention_ms_per_step": 1e3 * attn_s / max(steps, 1),
-            "attention_share": attn_s / res.elapsed_s,
+            "prepare_ms_per_step": 1e3 * best.prepare_s / max(steps, 1),
+            "attention_ms_per_step": 1e3 * best.attention_s / max(steps, 1),
+            "attention_share": best.attention_s / res.elapsed_s,
             "num_preemptions": res.stats["num_preemptions"],
         })
-    best = max(rows, key=lambda r: r["output_tokens_per_s"])
+    best_row = max(rows, key=lambda r: r["output_tokens_per_s"])
     return {
         "benchmark": "block-size",
         "budget_tokens": budget_tokens,
         "reps": reps,
         "results": rows,
-        "best_block_size": best["block_size"],
-        "best_output_tokens_per_s": best["output_tokens_per_s"],
+        "best_block_size": best_row["block_size"],
+        "best_output_tokens_per_s": best_row["output_tokens_per_s"],
         "workload": {**spec.describe(), **summarize(reqs)},
         "engine": {k: v for k, v in engine_kwargs.items() if v is not None},
         "machine": machine_info(),

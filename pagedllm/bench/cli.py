@@ -218,7 +218,8 @@ def register(subparsers: Any) -> None:
     _common(p)
 
     def cmd_kernel(a: argparse.Namespace) -> int:
-        from pagedllm.bench.kernel import kernel_defaults, report_kernel, run_kernel
+        from pagedllm.bench.kernel import kernel_defaults, run_kernel
+        from pagedllm.bench.kernel_report import report_kernel
 
         _setup(a)
         d = kernel_defaults(a.device)
@@ -296,12 +297,12 @@ def register(subparsers: Any) -> None:
     p = sub.add_parser("kv-quant",
                        help="quantized KV (int8 / fp8, K and V separately) vs the unquantized cache: "
                        "top-1 agreement, perplexity, greedy agreement, bytes/token, capacity")
-    from pagedllm.quant_eval import add_args as add_quant_args
+    from pagedllm.bench.quant_eval import add_args as add_quant_args
 
     add_quant_args(p)
 
     def cmd_kv_quant(a: argparse.Namespace) -> int:
-        from pagedllm.quant_eval import run
+        from pagedllm.bench.quant_eval import run
 
         return run(a)
 

@@ -11,8 +11,9 @@ contiguous: a slice copy), then attend:
   (on CUDA, where no fused kernel takes GQA, e.g. fp32, K/V are kept expanded to the query
   heads instead of falling back to SDPA's math kernel: ``contiguous_impl`` says which).
 
-Timing: ``rounds`` rounds, each ``iters`` calls of paged then ``iters`` of contiguous (order
-alternating per round); the median round gives the per-call time. ratio = paged / contiguous.
+Timing: ``rounds`` rounds, each ``iters`` calls of paged, of contiguous (and of the CPU-only
+references below), interleaved (``bench.harness``: the order rotates every round); the median
+round gives the per-call time. ratio = paged / contiguous.
 On CUDA every timed loop is bracketed by ``torch.cuda.synchronize`` and each case is called once
 before timing (Triton compiles on the first call).
 
@@ -36,7 +37,6 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from pagedllm.bench.device import (
@@ -49,20 +49,9 @@ from pagedllm.bench.device import (
     require_device,
     synchronize,
 )
-from pagedllm.bench.report import (
-    format_table,
-    machine_info,
-    plot,
-    print_targets,
-    targets,
-    write_json,
-)
+from pagedllm.bench.harness import interleaved
+from pagedllm.bench.report import machine_info, targets
 
-DECODE_COLUMNS = ("context", "block_size", "batch", "paged_ms", "contiguous_ms", "ratio",
-                  "paged_GBps", "contiguous_GBps", "frac_peak", "frac_copy", "gather_ms",
-                  "contiguous_masked_ms")
-PREFILL_COLUMNS = ("context", "block_size", "paged_ms", "contiguous_ms", "ratio", "paged_TFLOPs",
-                   "contiguous_TFLOPs", "contiguous_impl")
 DTYPES = ("float32", "float16", "bfloat16")
 # (atol, rtol) of the paged-vs-contiguous check: both sides round their output to the dtype
 TOLERANCE = {"float32": (1e-3, 0.0), "float16": (2e-2, 2e-2), "bfloat16": (2e-2, 2e-2)}
@@ -275,20 +264,12 @@ def run_kernel(
                     c = _case(phase, b, ctx, bs, num_heads, num_kv_heads, head_dim, backend,
                               seed, device, dtype)
                     extra = [f for f in (c.gather, c.masked) if f is not None]
-                    for f in (c.paged, c.contiguous, *extra):  # warm-up (Triton compiles here)
-                        f()
-                    tp, tc, tg, tm = [], [], [], []
-                    for r in range(rounds):
-                        if r % 2 == 0:
-                            tp.append(_time(c.paged, iters, device))
-                            tc.append(_time(c.contiguous, iters, device))
-                        else:
-                            tc.append(_time(c.contiguous, iters, device))
-                            tp.append(_time(c.paged, iters, device))
-                        if c.gather is not None:
-                            tg.append(_time(c.gather, iters, device))
-                        if c.masked is not None:
-                            tm.append(_time(c.masked, iters, device))
+                    # warm-up (Triton compiles here), then interleaved rounds (bench.harness)
+                    tp, tc, *te = interleaved([c.paged, c.contiguous, *extra],
+                                              lambda f: _time(f, iters, device), rounds,
+                                              warmup=lambda f: f())
+                    tg = te.pop(0) if c.gather is not None else []
+                    tm = te.pop(0) if c.masked is not None else []
                     p_s, c_s = statistics.median(tp), statistics.median(tc)
                     ratios = [x / y for x, y in zip(tp, tc)]
                     row: dict[str, Any] = {
@@ -330,7 +311,7 @@ def run_kernel(
         "peak_bandwidth_source": ("spec table, pagedllm.bench.device.PEAK_BANDWIDTH" if peak
                                   else "unknown (CPU, or a GPU not in the table)"),
         "copy_bandwidth": copy,
-        "timing": {"rounds": rounds, "iters": iters, "order": "alternating per round",
+        "timing": {"rounds": rounds, "iters": iters, "order": "rotated per round",
                    "sync": "torch.cuda.synchronize around each timed loop" if is_cuda(device)
                    else "none (CPU)"},
         "results": rows,
@@ -377,77 +358,3 @@ def _summary(rows: list[dict[str, Any]], phases: tuple[str, ...]) -> dict[str, A
             s["best_contiguous_TFLOPs"] = max(r["contiguous_TFLOPs"] for r in rs)
         summary[phase] = s
     return summary
-
-
-def report_kernel(res: dict[str, Any], output_dir: Path, output_json: Path | None,
-                  make_plots: bool = True) -> list[Path]:
-    s = res["shape"]
-    path = f" ({res['decode_path']} decode)" if res.get("decode_path") else ""
-    print(f"{res['backend']} backend{path} vs contiguous SDPA on "
-          f"{res['device_name'] or res['device']}; "
-          f"{s['num_heads']} q heads, {s['num_kv_heads']} kv heads, head_dim {s['head_dim']}, "
-          f"{s['dtype']}")
-    peak, copy = res["peak_bandwidth_bytes_per_s"], res["copy_bandwidth"].get("bytes_per_s")
-    print(f"memory bandwidth: spec peak {'n/a' if peak is None else f'{peak / 1e9:.0f} GB/s'}, "
-          f"measured copy {'n/a' if copy is None else f'{copy / 1e9:.0f} GB/s'} (read + write)")
-    for phase, cols, heads in (
-        ("decode", DECODE_COLUMNS,
-         ["context", "block", "batch", "paged ms", "contig ms", "paged/contig", "paged GB/s",
-          "contig GB/s", "of peak", "of copy", "gather ms", "contig+mask ms"]),
-        ("prefill", PREFILL_COLUMNS,
-         ["context", "block", "paged ms", "contig ms", "paged/contig", "paged TFLOP/s",
-          "contig TFLOP/s", "contig impl"]),
-    ):
-        rows = [r for r in res["results"] if r["phase"] == phase]
-        if rows:  # columns that apply (gather / masked: CPU backend; of peak: known GPU)
-            keep = [i for i, c in enumerate(cols) if any(r.get(c) is not None for r in rows)]
-            print(f"-- {phase}")
-            print(format_table(rows, [cols[i] for i in keep], [heads[i] for i in keep]))
-    for phase, v in res["summary"].items():
-        print(f"{phase}: median ratio {v['median_ratio']:.2f}, worst {v['max_ratio']:.2f}")
-    print_targets(res["targets"])
-    paths = [write_json(output_json or output_dir / "kernel.json", res)]
-    if make_plots:
-        paths += _plots(res, output_dir)
-    return paths
-
-
-def _plots(res: dict[str, Any], output_dir: Path) -> list[Path]:
-    rows = res["results"]
-    sizes = sorted({r["block_size"] for r in rows})
-
-    def ratios(plt: Any) -> None:
-        for phase, style in (("decode", "-"), ("prefill", "--")):
-            for bs in sizes:
-                pts = [(r["context"], r["ratio"]) for r in rows
-                       if r["phase"] == phase and r["block_size"] == bs]
-                if pts:
-                    plt.plot(*zip(*pts), style, marker="o", label=f"{phase}, block {bs}")
-        plt.axhline(1.0, color="gray", lw=0.8)
-        plt.xscale("log", base=2)
-        plt.xlabel("context length (tokens)")
-        plt.ylabel("paged / contiguous time")
-        plt.legend(fontsize=8)
-        plt.title("paged attention vs contiguous SDPA")
-
-    def bandwidth(plt: Any) -> None:
-        for bs in sizes:
-            pts = [(r["context"], r["paged_GBps"]) for r in rows
-                   if r["phase"] == "decode" and r["block_size"] == bs]
-            if pts:
-                plt.plot(*zip(*pts), marker="o", label=f"paged, block {bs}")
-        ref = {"spec peak": res["peak_bandwidth_bytes_per_s"],
-               "measured copy": res["copy_bandwidth"].get("bytes_per_s")}
-        for (label, v), color in zip(ref.items(), ("red", "gray")):
-            if v:
-                plt.axhline(v / 1e9, color=color, lw=0.8, ls="--", label=label)
-        plt.xscale("log", base=2)
-        plt.xlabel("context length (tokens)")
-        plt.ylabel("decode KV read bandwidth (GB/s)")
-        plt.legend(fontsize=8)
-        plt.title(f"paged decode bandwidth, {res['device_name'] or res['device']}")
-
-    out = [plot(output_dir / "kernel.png", ratios)]
-    if any(r["phase"] == "decode" for r in rows):
-        out.append(plot(output_dir / "kernel-bandwidth.png", bandwidth))
-    return [p for p in out if p is not None]

@@ -1,8 +1,8 @@
 """``bench prefix``: time to first token with prefix caching on vs off, on a shared-prefix workload.
 
 One invocation builds two engines from the same kwargs, ``enable_prefix_caching`` True and
-False, warms both up, then runs the workload ``reps`` times per engine in rotated order (as
-``bench throughput``). Each run starts with an empty prefix cache, so hits come only from
+False, warms both up, then runs the workload ``reps`` times per engine, interleaved
+(``bench.harness``). Each run starts with an empty prefix cache, so hits come only from
 within the run (the ``chat`` workload: one shared system prompt, and multi-turn histories).
 
 Requests arrive all at t0 (``request_rate=inf``, the default) or by a seeded Poisson process;
@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pagedllm.bench.harness import interleaved, timing
 from pagedllm.bench.report import (
     format_table,
     machine_info,
@@ -36,28 +37,9 @@ from pagedllm.bench.report import (
     write_json,
 )
 from pagedllm.bench.workload import BenchRequest, WorkloadSpec, poisson_arrivals, summarize
-from pagedllm.config import SchedulerConfig
-from pagedllm.kv.manager import KVCacheManager
-from pagedllm.sched import Scheduler, SchedulerOutput
 
 COLUMNS = ("prefix_caching", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "computed_prompt_tokens",
            "prompt_tokens", "prefix_cache_hit_rate", "requests_per_s", "output_tokens_per_s")
-
-
-class CountingScheduler(Scheduler):
-    """Counts the prompt positions each ``schedule()`` sends to the model (prefill tokens)."""
-
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
-        super().__init__(config, kv)
-        self.prefill_tokens = 0
-
-    def schedule(self) -> SchedulerOutput:
-        out = super().schedule()
-        for s in out.scheduled:
-            r = s.request
-            c = r.num_computed_tokens  # before this step ran (prefix hits already counted)
-            self.prefill_tokens += max(0, min(c + s.num_new_tokens, r.num_prompt_tokens) - c)
-        return out
 
 
 class _Engine:
@@ -65,17 +47,15 @@ class _Engine:
         from pagedllm.engine import LLMEngine
 
         self.caching = caching
-        self.engine = LLMEngine.from_args(scheduler_cls=CountingScheduler,
-                                          **{**engine_kwargs, "enable_prefix_caching": caching})
+        self.engine = LLMEngine.from_args(**{**engine_kwargs, "enable_prefix_caching": caching})
 
     def run(self, reqs: list[BenchRequest], arrivals: list[float]) -> dict[str, Any]:
         from pagedllm.sampling_params import SamplingParams
 
         eng = self.engine
-        sched: CountingScheduler = eng.scheduler  # type: ignore[assignment]
         eng.kv.reset_prefix_cache()  # a repetition must not hit the previous one's blocks
         eng.kv.stats.reset()
-        sched.prefill_tokens = 0
+        prefill_tokens = 0  # prompt positions sent to the model (the steps' records)
         preempted_before = eng.num_preemptions
         order = sorted(range(len(reqs)), key=lambda i: arrivals[i])
         ttft: dict[int, float] = {}
@@ -101,12 +81,13 @@ class _Engine:
                     ttft[i] = m.first_token_time - m.arrival_time
                 if o.finished:
                     outputs[i] = list(o.outputs[0].token_ids)
+            prefill_tokens += eng.stats.num_prefill_tokens
         elapsed = time.monotonic() - t0
         return {
             "elapsed_s": elapsed,
             "ttft_s": [ttft[i] for i in range(len(reqs))],
             "outputs": [outputs[i] for i in range(len(reqs))],
-            "computed_prompt_tokens": sched.prefill_tokens,
+            "computed_prompt_tokens": prefill_tokens,
             "hit_rate": eng.kv.stats.hit_rate,
             "num_preemptions": eng.num_preemptions - preempted_before,
         }
@@ -123,13 +104,8 @@ def run_prefix(
 ) -> dict[str, Any]:
     engines = [_Engine(engine_kwargs, True), _Engine(engine_kwargs, False)]
     arrivals = poisson_arrivals(len(reqs), request_rate, seed)
-    for e in engines:
-        if warmup:
-            e.run(reqs[:warmup], [0.0] * min(warmup, len(reqs)))
-    runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
-    for rep in range(reps):
-        for e in engines[rep % 2:] + engines[:rep % 2]:
-            runs[e.caching].append(e.run(reqs, arrivals))
+    warm = (lambda e: e.run(reqs[:warmup], [0.0] * min(warmup, len(reqs)))) if warmup else None
+    runs = dict(zip((True, False), interleaved(engines, lambda e: e.run(reqs, arrivals), reps, warm)))
 
     prompt_tokens = sum(r.prompt_len for r in reqs)
     output_tokens = sum(r.max_tokens for r in reqs)
@@ -137,7 +113,8 @@ def run_prefix(
     for caching in (True, False):
         rs = runs[caching]
         ttft = percentiles([t * 1e3 for r in rs for t in r["ttft_s"]], (50, 90))
-        best = min(r["elapsed_s"] for r in rs)
+        times = timing([r["elapsed_s"] for r in rs])
+        best = times["elapsed_s"]
         computed = [r["computed_prompt_tokens"] for r in rs]
         results.append({
             "prefix_caching": "on" if caching else "off",
@@ -151,8 +128,7 @@ def run_prefix(
             "prefix_cache_hit_rate": statistics.fmean(r["hit_rate"] for r in rs),
             "requests_per_s": len(reqs) / best,
             "output_tokens_per_s": output_tokens / best,
-            "elapsed_s": best,
-            "elapsed_s_all": [r["elapsed_s"] for r in rs],
+            **times,
             "num_preemptions": [r["num_preemptions"] for r in rs],
         })
     on, off = results

@@ -1,6 +1,7 @@
-"""Step-level KV accounting shared by the benchmarks, and a model-free scheduler replay.
+"""The benchmarks' view of KV memory over a run, read from the engine's per-step records
+(``pagedllm.sched.stats.StepStats``), and a model-free scheduler replay.
 
-``recording(cls)`` makes a subclass of any scheduler that, after each ``schedule()``, records::
+Per step a ``StepTrace`` keeps, from the record::
 
     running    requests holding KV (the batch)
     reserved   token slots reserved for them: sum of len(block table) * block_size
@@ -30,7 +31,8 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.sched import Scheduler, SchedulerOutput
+from pagedllm.sched import Scheduler
+from pagedllm.sched.stats import StepStats
 
 
 @dataclass
@@ -42,6 +44,14 @@ class StepTrace:
     pool: list[int] = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)
     num_preemptions: int | None = None  # set by replay (the engine counts its own)
+
+    def add(self, stats: StepStats, t: float | None = None) -> None:
+        """One step's record; ``t`` defaults to the seconds since the trace (re)started."""
+        self.t.append(time.perf_counter() - self.t0 if t is None else t)
+        self.running.append(stats.batch_running)
+        self.live.append(stats.live_tokens)
+        self.reserved.append(stats.reserved_tokens)
+        self.pool.append(stats.pool_tokens)
 
     def restart(self) -> None:
         self.t.clear()
@@ -70,39 +80,6 @@ class StepTrace:
         }
 
 
-def recording(cls: type[Scheduler]) -> type[Scheduler]:
-    """A subclass of ``cls`` whose instances keep a ``StepTrace`` in ``self.trace``."""
-
-    class Recording(cls):  # type: ignore[valid-type, misc]
-        def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
-            super().__init__(config, kv)
-            self.trace = StepTrace()
-
-        def schedule(self) -> SchedulerOutput:
-            out = super().schedule()
-            sched = {s.request.request_id: s for s in out.scheduled}
-            live = blocks = 0
-            for r in self.running:
-                s = sched.get(r.request_id)
-                if s is not None:
-                    live += r.num_computed_tokens + s.num_new_tokens
-                    blocks += len(s.block_table)
-                else:  # running but given no tokens this step (budget spent)
-                    live += r.num_computed_tokens
-                    blocks += len(self.kv.block_table(r.request_id))
-            bs = self.kv.block_size
-            tr = self.trace
-            tr.t.append(time.perf_counter() - tr.t0)
-            tr.running.append(len(self.running))
-            tr.live.append(live)
-            tr.reserved.append(blocks * bs)
-            tr.pool.append((self.kv.num_blocks - self.kv.num_free_blocks) * bs)
-            return out
-
-    Recording.__name__ = Recording.__qualname__ = f"Recording{cls.__name__}"
-    return Recording
-
-
 def replay(
     reqs: list[BenchRequest],
     scheduler_cls: type[Scheduler],
@@ -114,7 +91,8 @@ def replay(
     """Run the workload through ``scheduler_cls`` with a fake runner; returns the step trace
     (``t`` is the step index)."""
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-    sched = recording(scheduler_cls)(config, kv)
+    sched = scheduler_cls(config, kv)
+    trace = StepTrace()
     for i, r in enumerate(reqs):
         sched.add_request(Request(
             request_id=f"r{i}", prompt_token_ids=list(r.prompt_token_ids),
@@ -125,8 +103,7 @@ def replay(
         out = sched.schedule()
         if out.is_empty:
             raise RuntimeError("the scheduler made no progress; the KV pool is too small")
+        trace.add(StepStats.open(sched, out), float(len(trace.t)))
         sched.update(out, {s.request.request_id: 0 for s in out.scheduled if s.samples})
-    trace: StepTrace = sched.trace  # type: ignore[attr-defined]
-    trace.t = [float(i) for i in range(len(trace.t))]
     trace.num_preemptions = sched.num_preemptions
     return trace

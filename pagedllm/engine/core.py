@@ -26,8 +26,9 @@ from pagedllm.request import RequestStatus
 from pagedllm.runner.model_runner import ModelRunner, RunnerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched import Scheduler, SchedulerOutput
-from pagedllm.sched.memory import KVMemoryPolicy, kv_stats
+from pagedllm.sched.memory import KVMemoryPolicy
 from pagedllm.sched.preemption import PreemptionCost
+from pagedllm.sched.stats import StepStats
 from pagedllm.tokenizer import eos_token_ids, get_tokenizer
 
 logger = init_logger(__name__)
@@ -70,6 +71,7 @@ class LLMEngine:
         self.input = InputProcessor(config, self.tokenizer, self.eos_token_ids)
         self.output = OutputProcessor(self.tokenizer)
         self.beams = BeamSearch(self.scheduler, self.tokenizer, config.scheduler.max_model_len)
+        self.stats = self.current_stats()  # the last step's record (StepStats)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs,
@@ -137,9 +139,11 @@ class LLMEngine:
         for rid in ids:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
         ids += self.beams.abort(request_id)
-        if ids:
-            self.executor.release(ids)
-        return bool(ids)
+        if not ids:
+            return False
+        self.executor.release(ids)
+        self.stats = self.current_stats()  # the state changed outside a step
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output.groups) or bool(self.beams.searches)
@@ -158,17 +162,22 @@ class LLMEngine:
 
     # -- the hot loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        stats = StepStats.open(self.scheduler, sched)
         result = self.executor.execute(sched)
         self.scheduler.update(sched, self.beams.take(sched, result.sampled))
-        outputs = self._process_outputs(sched, result)
+        outputs = self._process_outputs(sched, result, stats)
         upkeep = self.scheduler.end_step()  # compaction, or shrinking an idle pool: KV only
         if upkeep is not None:
             self.executor.execute(upkeep)
+        self.stats = stats.close(self.scheduler, time.perf_counter() - t0)
         return outputs
 
-    def _process_outputs(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
-        done = self.output.process(sched.scheduled, result.sampled, result.prompt_logprobs)
+    def _process_outputs(self, sched: SchedulerOutput, result: RunnerOutput,
+                         stats: StepStats) -> list[RequestOutput]:
+        stats.prepare_time_s = result.prepare_s
+        done = self.output.process(sched.scheduled, result.sampled, result.prompt_logprobs, stats)
         for rid in done.stopped:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
         beam_outputs, beams_ended = self.beams.select()
@@ -223,15 +232,39 @@ class LLMEngine:
 
     def prefix_cache_stats(self) -> dict[str, float]:
         """Prompt tokens looked up at admission (``queries``), found cached (``hits``)."""
-        st = self.kv.stats
-        return {"queries": st.queries, "hits": st.hits, "hit_rate": st.hit_rate}
+        s = self.current_stats()
+        return {"queries": s.prefix_cache_queries, "hits": s.prefix_cache_hits,
+                "hit_rate": s.prefix_cache_hit_rate}
+
+    def current_stats(self) -> StepStats:
+        """A record of the engine as it is now, outside any step (``self.stats`` is the last
+        step's)."""
+        return StepStats.open(self.scheduler, SchedulerOutput()).close(self.scheduler, 0.0)
 
     def kv_stats(self) -> dict[str, Any]:
-        stats = kv_stats(self.scheduler, self.kv)
+        """KV memory now: blocks by state, utilization, prefix cache, preemptions, swaps."""
+        s = self.current_stats()
         c = self.config.cache
-        stats["kv_bytes_per_token"] = c.kv_bytes_per_token(self.config.model)
-        stats["k_cache_dtype"], stats["v_cache_dtype"] = c.k_cache_dtype, c.v_cache_dtype
-        return stats
+        return {
+            "num_blocks": s.kv.total,
+            "used_blocks": s.kv.used,
+            "cached_blocks": s.kv.cached,
+            "free_blocks": s.kv.free,
+            "shared_blocks": s.kv.shared,
+            "pinned_blocks": s.kv.pinned,
+            "kv_utilization": s.live_tokens / s.pool_tokens if s.pool_tokens else 0.0,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+            "num_preemptions": s.num_preemptions,
+            "preemptions_by_kind": s.preemptions_by_kind,
+            "swapped_out_blocks": s.swapped_out_blocks,
+            "swapped_in_blocks": s.swapped_in_blocks,
+            "num_swapped": s.num_swapped,
+            "kv_bytes_per_token": c.kv_bytes_per_token(self.config.model),
+            "k_cache_dtype": c.k_cache_dtype,
+            "v_cache_dtype": c.v_cache_dtype,
+        }
 
 
 def _profiled_budget(config: EngineConfig, executor: Executor) -> int | None:

@@ -18,6 +18,7 @@ from pagedllm.request import Logprob, PositionLogprobs, Request, RequestStatus
 from pagedllm.runner.model_runner import PromptLogprobsChunk, SampledToken
 from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.sched import ScheduledRequest
+from pagedllm.sched.stats import StepStats
 from pagedllm.tokenizer import IncrementalDetokenizer
 
 
@@ -54,6 +55,7 @@ class _Group:
     arrival_time: float
     kind: RequestOutputKind
     sent_prompt_logprobs: bool = False
+    last_token_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -101,7 +103,9 @@ class OutputProcessor:
         return seq_id in self._seqs
 
     def process(self, scheduled: list[ScheduledRequest], sampled: dict[str, SampledToken],
-                prompt_lps: dict[str, PromptLogprobsChunk]) -> ProcessedStep:
+                prompt_lps: dict[str, PromptLogprobsChunk], stats: StepStats) -> ProcessedStep:
+        """Outputs of the step; its request events (tokens, latencies, finishes) go to
+        ``stats``."""
         step = ProcessedStep()
         touched: dict[str, _Group] = {}
         now = time.monotonic()
@@ -118,6 +122,7 @@ class OutputProcessor:
             if tok is None:
                 continue
             touched[group.request_id] = group
+            stats.num_generation_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = now
             self._record_logprobs(req, tok)
@@ -129,6 +134,7 @@ class OutputProcessor:
                 step.stopped.append(req.request_id)
         for group in touched.values():
             finished = group.finished
+            _record_events(group, now, finished, stats)
             out = self._output(group, now, finished)
             if out is not None:
                 step.outputs.append(out)
@@ -221,3 +227,17 @@ class OutputProcessor:
             ))
             seq.sent_text, seq.sent_tokens, seq.done = len(text), seq.sent_tokens + len(ids), finish is not None
         return outs
+
+
+def _record_events(group: _Group, now: float, finished: bool, stats: StepStats) -> None:
+    """A request that produced tokens this step: its first-token or inter-token latency, and
+    its end-to-end latency and finish reasons when it is done."""
+    if group.last_token_time is None:
+        stats.time_to_first_token_s.append(now - group.arrival_time)
+        stats.num_prompt_tokens += len(group.prompt_token_ids)
+    else:
+        stats.inter_token_latency_s.append(now - group.last_token_time)
+    group.last_token_time = now
+    if finished:
+        stats.e2e_latency_s.append(now - group.arrival_time)
+        stats.finish_reasons += [s.finish_reason or "abort" for s in group.seqs]

@@ -210,9 +210,12 @@ class MultiprocExecutor(Executor):
         """The step on every rank: workers get ``run_step`` with the same KV changes and host
         batch that rank 0's ``execute`` runs (the batch is prepared once, here)."""
         self.check_health()
+        t0 = time.perf_counter()
         hb = self.driver.prepare(out.scheduled) if out.scheduled else None
+        prepare_s = time.perf_counter() - t0
         self._call(ModelRunner.run_step.__name__, (out.kv, hb), {}, reply=False)
         result = self._on_driver(self.driver.execute, out, hb)
+        result.prepare_s = prepare_s
         if hb is not None:
             self.tp.stats.steps += 1
         return result

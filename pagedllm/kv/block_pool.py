@@ -142,6 +142,9 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}  # BlockHash.value -> the block that holds it
+        # kept as counts change (the per-step stats read them; check_integrity recounts them)
+        self.num_cached_free_blocks = 0  # free blocks still holding a cached hash
+        self.num_shared_blocks = 0  # blocks with more than one reference
         self.on_evict: Callable[[KVBlock], None] | None = None  # the KV trace's hook
 
     @property
@@ -175,7 +178,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
-            self._evict(block)
+            self._evict(block)  # a free block: its cached hash goes
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -185,6 +188,9 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                self.num_cached_free_blocks -= block.block_hash is not None
+            elif block.ref_cnt == 1:
+                self.num_shared_blocks += 1
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
@@ -195,6 +201,9 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                self.num_cached_free_blocks += block.block_hash is not None
+            elif block.ref_cnt == 1:
+                self.num_shared_blocks -= 1
 
     # -- prefix-cache index -------------------------------------------------------------------
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
@@ -215,11 +224,13 @@ class BlockPool:
         return True
 
     def _evict(self, block: KVBlock) -> None:
+        """Drop the cached hash of a free block."""
         if block.block_hash is not None:
             if self.on_evict is not None:
                 self.on_evict(block)
             del self.cached[block.block_hash.value]
             block.block_hash = None
+            self.num_cached_free_blocks -= 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is referenced."""
@@ -228,6 +239,7 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        self.num_cached_free_blocks = 0
         return True
 
     # -- size and layout ----------------------------------------------------------------------
@@ -316,6 +328,12 @@ class BlockPool:
         for value, b in self.cached.items():
             assert b.block_hash is not None and b.block_hash.value == value, (
                 f"index entry {value} -> {b} does not match the block's hash")
+        cached_free = sum(1 for b in self.blocks if b.ref_cnt == 0 and b.block_hash is not None)
+        assert self.num_cached_free_blocks == cached_free, (
+            f"num_cached_free_blocks={self.num_cached_free_blocks}, counted {cached_free}")
+        shared = sum(1 for b in self.blocks if b.ref_cnt > 1)
+        assert self.num_shared_blocks == shared, (
+            f"num_shared_blocks={self.num_shared_blocks}, counted {shared}")
         if expected_refs is not None:
             unknown = set(expected_refs) - set(range(self.num_blocks))
             assert not unknown, f"expected refs for unknown block ids {sorted(unknown)}"

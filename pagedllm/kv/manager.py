@@ -110,6 +110,11 @@ class KVCacheManager:
             raise KeyError(f"no blocks allocated for request {request_id!r}")
         return [b.block_id for b in table]
 
+    def num_blocks_of(self, request_id: str) -> int:
+        """Device blocks the request holds (0 if none)."""
+        table = self._tables.get(request_id)
+        return 0 if table is None else len(table)
+
     def block_hashes(self, request_id: str) -> list[BlockHash]:
         """A copy of the hashes of the request's leading full, computed blocks."""
         return list(self._hashes.get(request_id, ()))

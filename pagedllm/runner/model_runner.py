@@ -13,6 +13,7 @@ to be sized from ``gpu_memory_utilization`` the runner profiles the worst-case s
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,6 +60,7 @@ class PromptLogprobsChunk:
 class RunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    prepare_s: float = 0.0  # time in ``prepare`` (block tables -> flat batch), for the stats
 
 
 class ModelRunner:
@@ -296,7 +298,9 @@ class ModelRunner:
         if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
             torch.cuda.set_device(self.device)  # a server steps the engine from its own thread
         if sched and hb is None:
+            t0 = time.perf_counter()
             hb = self.prepare(sched)
+            result.prepare_s = time.perf_counter() - t0
         hidden = self.run_step(out.kv, hb)
         if hidden is None or hb is None:
             return result

@@ -4,7 +4,8 @@ Pure Python (never imports torch), like ``pagedllm.kv`` below it::
 
     scheduler.py    batching under the token budget, priorities, preemption, forks
     preemption.py   recompute or swap for one victim, and the cost model behind "auto"
-    memory.py       KV memory decisions: elastic grow / shrink, compaction triggers; kv_stats
+    memory.py       KV memory decisions: elastic grow / shrink, compaction triggers
+    stats.py        StepStats: one record per step (kv_stats, metrics, benchmarks read it)
     output.py       SchedulerOutput: the only thing the runner is told
 """
 

@@ -1,4 +1,4 @@
-"""KV memory decisions: elastic pool growth and shrink, compaction triggers; and ``kv_stats``.
+"""KV memory decisions: elastic pool growth and shrink, compaction triggers.
 
 The decisions are made here, held by the scheduler, where the queues and the KV manager are both
 in view; the KV manager changes at once (pure bookkeeping) and the tensor side travels as the
@@ -14,8 +14,7 @@ initial size. The last two are decided at the end of a step and run as a KV-only
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from collections.abc import Iterable
 
 from pagedllm.config import CacheConfig
 from pagedllm.kv.manager import KVCacheManager
@@ -97,38 +96,3 @@ class KVMemoryPolicy:
     def compact(self, out: SchedulerOutput) -> None:
         out.kv.compaction.extend(self.kv.compact())
         self.num_compactions += 1
-
-
-class SchedulerCounts(Protocol):
-    """What ``kv_stats`` reads of the ``Scheduler`` (which imports this module)."""
-
-    @property
-    def requests(self) -> Mapping[str, Request]: ...
-    @property
-    def num_preemptions(self) -> int: ...
-    @property
-    def preemptions_by_kind(self) -> Mapping[str, int]: ...
-    @property
-    def num_swapped(self) -> int: ...
-
-
-def kv_stats(sched: SchedulerCounts, kv: KVCacheManager) -> dict[str, Any]:
-    """The KV memory view of ``LLM.kv_stats()``."""
-    pool = kv.pool
-    cached = sum(1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)
-    return {
-        "num_blocks": kv.num_blocks,
-        "used_blocks": kv.num_used_blocks,
-        "cached_blocks": cached,
-        "free_blocks": kv.num_free_blocks,
-        "pinned_blocks": kv.num_pinned_blocks,
-        "kv_utilization": kv_utilization(sched.requests.values(), kv),
-        "prefix_cache_queries": kv.stats.queries,
-        "prefix_cache_hits": kv.stats.hits,
-        "prefix_cache_hit_rate": kv.stats.hit_rate,
-        "num_preemptions": sched.num_preemptions,
-        "preemptions_by_kind": dict(sched.preemptions_by_kind),
-        "swapped_out_blocks": kv.host.stats["out"],
-        "swapped_in_blocks": kv.host.stats["in"],
-        "num_swapped": sched.num_swapped,
-    }

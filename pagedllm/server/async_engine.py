@@ -247,8 +247,6 @@ class AsyncEngine:
                 error = e
         if error is None:
             self._streams[cmd.request_id] = cmd.stream
-            if self.metrics is not None:
-                self.metrics.on_add(cmd.request_id, cmd.arrival)
         self._resolve(cmd.accepted, error)
         return error is None
 
@@ -258,8 +256,6 @@ class AsyncEngine:
             return
         self.engine.abort_request(request_id)
         self.num_aborted += 1
-        if self.metrics is not None:
-            self.metrics.on_abort(request_id)
         self._deliver([(stream, _Failed(request_id, RequestAborted(f"request {request_id} was aborted")))])
 
     def _step(self) -> None:
@@ -273,7 +269,7 @@ class AsyncEngine:
             return
         self.num_steps += 1
         if self.metrics is not None:
-            self.metrics.on_outputs(outputs)
+            self.metrics.on_step(self.engine.stats)
         items: list[tuple[OutputStream, RequestOutput | _Failed]] = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -291,8 +287,6 @@ class AsyncEngine:
                 self.engine.abort_request(rid)
             except Exception:  # noqa: BLE001 - keep freeing the others
                 logger.exception("abort of %s failed", rid)
-            if self.metrics is not None:
-                self.metrics.on_abort(rid)
             items.append((stream, _Failed(rid, error)))
         self._streams.clear()
         self._deliver(items)

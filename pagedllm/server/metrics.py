@@ -1,17 +1,16 @@
 """Prometheus metrics, named after vLLM's (``vllm:`` -> ``pagedllm:``) so dashboards carry over.
 
-Engine state (queue lengths, KV usage, prefix-cache and preemption counters) is read at scrape
-time by a custom collector, so it is always current, even when the engine is idle. Token counts
-and latencies are observed by the engine thread from the ``RequestOutput`` deltas.
+Everything comes from the engine's per-step records (``pagedllm.sched.stats.StepStats``): the
+gauges and engine counters from the latest record at scrape time (the engine refreshes it when an
+abort changes its state outside a step, so an idle engine reads true), the token counters and
+latency histograms from each step's record as the engine thread finishes the step (``on_step``).
 
 Every app gets its own ``CollectorRegistry``: several servers in one process do not clash.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -20,7 +19,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from pagedllm.engine import LLMEngine
-    from pagedllm.outputs import RequestOutput
+    from pagedllm.sched.stats import StepStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -50,26 +49,22 @@ class _EngineStateCollector(Collector):
             c.add_metric(labels, value)
             return c
 
-        sched = e.scheduler
-        yield gauge("pagedllm:num_requests_running", "Sequences in the running batch.", sched.num_running)
-        yield gauge("pagedllm:num_requests_waiting", "Sequences waiting to be scheduled.", sched.num_waiting)
+        s = e.stats  # the latest record: replaced whole by the engine thread, read as it is
+        yield gauge("pagedllm:num_requests_running", "Sequences in the running batch.", s.num_running)
+        yield gauge("pagedllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
         yield gauge("pagedllm:num_requests_swapped", "Sequences swapped out to the host tier.",
-                    sched.num_swapped)
-        yield gauge("pagedllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", e.kv.usage)
+                    s.num_swapped)
+        yield gauge("pagedllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
+                    s.kv.used / s.kv.total)
         yield counter("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      e.kv.stats.queries)
-        yield counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.kv.stats.hits)
-        yield counter("pagedllm:num_preemptions", "Preemptions since start-up.", e.num_preemptions)
-
-
-@dataclass
-class _Timing:
-    arrival: float
-    last_token: float | None = None
+                      s.prefix_cache_queries)
+        yield counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      s.prefix_cache_hits)
+        yield counter("pagedllm:num_preemptions", "Preemptions since start-up.", s.num_preemptions)
 
 
 class ServerMetrics:
-    """Counters and histograms of one server. ``on_*`` hooks run on the engine thread."""
+    """Counters and histograms of one server; ``on_step`` runs on the engine thread."""
 
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -86,36 +81,19 @@ class ServerMetrics:
         self.e2e = Histogram("pagedllm:e2e_request_latency_seconds", "Arrival to last token.", lab,
                              buckets=E2E_BUCKETS, registry=r)
         self.registry.register(_EngineStateCollector(engine, model_name))
-        self._live: dict[str, _Timing] = {}
 
-    def on_add(self, request_id: str, arrival: float) -> None:
-        self._live[request_id] = _Timing(arrival)
-
-    def on_abort(self, request_id: str) -> None:
-        self._live.pop(request_id, None)
-
-    def on_outputs(self, outputs: Iterator[RequestOutput] | list[RequestOutput], now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+    def on_step(self, stats: StepStats) -> None:
+        """Count one step's tokens and observe its latencies (on the engine thread)."""
         m = self.model_name
-        for out in outputs:
-            t = self._live.get(out.request_id)
-            if t is None:
-                continue
-            new = sum(len(c.token_ids) for c in out.outputs)  # the server's outputs are deltas
-            if new > 0:
-                if t.last_token is None:
-                    self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
-                    self.ttft.labels(m).observe(now - t.arrival)
-                else:
-                    self.itl.labels(m).observe(now - t.last_token)
-                self.generation_tokens.labels(m).inc(new)
-                t.last_token = now
-            for c in out.outputs:  # a sequence's finish reason comes once, in its last delta
-                if c.finish_reason is not None:
-                    self.request_success.labels(m, c.finish_reason).inc()
-            if out.finished:
-                self.e2e.labels(m).observe(now - t.arrival)
-                del self._live[out.request_id]
+        self.prompt_tokens.labels(m).inc(stats.num_prompt_tokens)
+        self.generation_tokens.labels(m).inc(stats.num_generation_tokens)
+        for hist, values in ((self.ttft, stats.time_to_first_token_s),
+                             (self.itl, stats.inter_token_latency_s),
+                             (self.e2e, stats.e2e_latency_s)):
+            for v in values:
+                hist.labels(m).observe(v)
+        for reason in stats.finish_reasons:
+            self.request_success.labels(m, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

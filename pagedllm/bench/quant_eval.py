@@ -1,6 +1,6 @@
 """KV-cache quantization: accuracy and capacity against the unquantized cache.
 
-    python -m pagedllm.quant_eval [--model DIR] [--windows 8] [--window-len 256]
+    python -m pagedllm.bench.quant_eval [--model DIR] [--windows 8] [--window-len 256]
                                   [--greedy 16] [--greedy-tokens 64] [--budget 64MiB] [--json F]
 
 For each KV storage choice (K and V separately: auto, int8, fp8_e4m3, fp8_e5m2) the same engine
@@ -202,7 +202,7 @@ def run(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pagedllm.quant_eval`` (the same as ``pagedllm bench kv-quant``)."""
+    """``python -m pagedllm.bench.quant_eval`` (the same as ``pagedllm bench kv-quant``)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(ap)
     return run(ap.parse_args(argv))

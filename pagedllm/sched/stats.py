@@ -1,0 +1,118 @@
+"""StepStats: one record per engine step, counted once. ``kv_stats()``, the Prometheus metrics,
+the benchmarks and the model-free replay read these records instead of counting on their own.
+
+A record is opened right after ``schedule()`` (``StepStats.open``: the batch the step runs, and
+the KV it holds, as the benchmarks' utilization plots need it), gets the step's request events
+from the engine's output processing (first tokens, latencies, finishes), and is closed at the end
+of the step (``close``: queue lengths, KV blocks by state and the cumulative counters, as the
+step left them). Pure Python; every count is O(1) or O(running requests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.sched.output import SchedulerOutput
+    from pagedllm.sched.scheduler import Scheduler
+
+
+@dataclass
+class KVBlockCounts:
+    """Device KV blocks by state, and the host (swap) tier."""
+
+    total: int = 0
+    free: int = 0  # ref count 0, cached ones included
+    cached: int = 0  # free, still holding a cached prefix block (reusable until evicted)
+    shared: int = 0  # referenced by more than one sequence (prefix hits, forks)
+    pinned: int = 0  # held by preheated prefixes
+    host_total: int = 0
+    host_used: int = 0  # holding swapped-out KV
+
+    @property
+    def used(self) -> int:
+        return self.total - self.free
+
+
+@dataclass
+class StepStats:
+    step: int = 0  # the scheduler's step count (0: a snapshot outside any step)
+    # -- the batch, right after scheduling ----------------------------------------------------
+    num_scheduled_requests: int = 0
+    num_prefill_tokens: int = 0  # prompt positions computed (recomputation included)
+    num_decode_tokens: int = 0
+    batch_running: int = 0  # requests holding KV while the step runs
+    live_tokens: int = 0  # tokens whose K/V are in the cache once the step has run
+    reserved_tokens: int = 0  # slots of those requests' block tables (a shared block per holder)
+    pool_tokens: int = 0  # slots the pool has handed out: used blocks x block size
+    # -- the state the step left ----------------------------------------------------------------
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    kv: KVBlockCounts = field(default_factory=KVBlockCounts)
+    num_preemptions: int = 0  # since start-up, as every counter below
+    preemptions_by_kind: dict[str, int] = field(default_factory=dict)
+    prefix_cache_queries: int = 0  # prompt tokens looked up (since the last stats reset)
+    prefix_cache_hits: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    step_time_s: float = 0.0
+    prepare_time_s: float = 0.0  # of the step time: building the flat batch from block tables
+    # -- request events of the step (the engine's output processing) --------------------------
+    num_prompt_tokens: int = 0  # prompts of the requests that produced their first token
+    num_generation_tokens: int = 0
+    time_to_first_token_s: list[float] = field(default_factory=list)
+    inter_token_latency_s: list[float] = field(default_factory=list)  # per request and step
+    e2e_latency_s: list[float] = field(default_factory=list)  # of the requests that finished
+    finish_reasons: list[str] = field(default_factory=list)  # one per finished sequence
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def utilization(self) -> float:
+        """live / reserved (1 = no reserved slot left empty); 0 for an empty batch."""
+        return self.live_tokens / self.reserved_tokens if self.reserved_tokens else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @classmethod
+    def open(cls, sched: Scheduler, out: SchedulerOutput) -> StepStats:
+        """The record of the step ``out`` was just scheduled for."""
+        kv = sched.kv
+        new = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+        prefill = live = blocks = 0
+        for s in out.scheduled:
+            r, c = s.request, s.request.num_computed_tokens
+            prefill += max(0, min(c + s.num_new_tokens, r.num_prompt_tokens) - c)
+        for r in sched.running:
+            live += r.num_computed_tokens + new.get(r.request_id, 0)
+            blocks += kv.num_blocks_of(r.request_id)
+        bs = kv.block_size
+        return cls(
+            step=sched.num_steps, num_scheduled_requests=len(out.scheduled),
+            num_prefill_tokens=prefill, num_decode_tokens=out.num_batched_tokens - prefill,
+            batch_running=len(sched.running), live_tokens=live, reserved_tokens=blocks * bs,
+            pool_tokens=kv.num_used_blocks * bs,
+        )
+
+    def close(self, sched: Scheduler, step_time_s: float) -> StepStats:
+        """Fill in the state the step left; returns self."""
+        kv, pool = sched.kv, sched.kv.pool
+        self.num_running, self.num_waiting = sched.num_running, sched.num_waiting
+        self.num_swapped = sched.num_swapped
+        self.kv = KVBlockCounts(
+            total=pool.num_blocks, free=pool.num_free_blocks, cached=pool.num_cached_free_blocks,
+            shared=pool.num_shared_blocks, pinned=kv.num_pinned_blocks,
+            host_total=kv.num_host_blocks, host_used=kv.num_host_blocks - kv.num_free_host_blocks,
+        )
+        self.num_preemptions = sched.num_preemptions
+        self.preemptions_by_kind = dict(sched.preemptions_by_kind)
+        self.prefix_cache_queries, self.prefix_cache_hits = kv.stats.queries, kv.stats.hits
+        self.swapped_out_blocks, self.swapped_in_blocks = kv.host.stats["out"], kv.host.stats["in"]
+        self.step_time_s = step_time_s
+        return self
