@@ -1,0 +1,123 @@
+"""The package's shape: no import circle (every import counts, under TYPE_CHECKING and inside
+functions too), no mixin classes, no file over 400 lines outside attention/triton/."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "pagedllm"
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        parts = path.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The pagedllm modules ``name`` imports anywhere in its file. ``from a import b`` is an
+    import of module ``a.b`` when that is a module, else of ``a``; importing ``a.b.c`` runs the
+    packages above it, which is not counted as importing them."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                found.add(sub if sub in modules else base)
+    return {m for m in found if m in modules and m != name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    comps: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                comps.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_path_through(graph, set(c)) for c in comps]
+
+
+def _path_through(graph: dict[str, set[str]], comp: set[str]) -> list[str]:
+    """A concrete cycle inside one strongly connected component, for the error message."""
+    start = min(comp)
+    prev: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & comp):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(prev[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if v != start else [start, start]
+                if w not in prev:
+                    prev[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return sorted(comp)
+
+
+def test_no_import_circle() -> None:
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert graph["pagedllm.engine.core"], "the import walk found nothing: it is broken"
+    cycles = _cycles(graph)
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert _cycles(graph) == [["a", "b", "c", "a"]]
+
+
+def test_no_mixin_classes() -> None:
+    mixins = [f"{path.relative_to(PKG.parent)}: {node.name}"
+              for path in PKG.rglob("*.py")
+              for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.ClassDef) and node.name.endswith("Mixin")]
+    assert not mixins, f"mixin classes (compose instead): {mixins}"
+
+
+def test_no_file_over_400_lines() -> None:
+    long = {str(p.relative_to(PKG.parent)): n for p in PKG.rglob("*.py")
+            if "attention/triton" not in p.as_posix()
+            and (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines: {long}"
