@@ -9,7 +9,6 @@ Map:
                 heads / rows / columns each rank owns (Megatron-style; embeddings and lm_head
                 replicated, so rank 0 has full logits and samples alone)
     worker.py   the loop of ranks 1..N-1: ModelRunner method calls from rank 0 (``collective_rpc``)
-    bench.py    TP=1 vs TP=N tokens/s and per-step communication (``python -m pagedllm.distributed.bench``)
     ../executor/  UniProcExecutor (TP=1, unchanged), MultiprocExecutor, RayExecutor
 
 The scheduler and the block manager run once, in the engine process, which is also rank 0. Each

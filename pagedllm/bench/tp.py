@@ -1,11 +1,12 @@
 """TP=1 vs TP=N: tokens/s, and what each step spends on communication.
 
-    python -m pagedllm.distributed.bench --model DIR [--tp 1,2] [--num-prompts 8]
+    python -m pagedllm.bench.tp --model DIR [--tp 1,2] [--num-prompts 8]
         [--prompt-len 64] [--max-tokens 32] [--json out.json]
 
 Every run uses the same token-id prompts and greedy decoding; the engine is stepped by hand so
 each step's all-reduce bytes/time and control bytes/time (rank 0's view) are recorded, split
-into steps with prefill tokens and pure decode steps. Threads: TP=1 uses every core; TP=N gives
+into steps with prefill tokens and pure decode steps (from the step's record). Sizes run
+interleaved, ``--reps`` times each (``bench.harness``), the fastest run reported. Threads: TP=1 uses every core; TP=N gives
 each rank cores/N (rank 0 in this process, the workers likewise).
 
 Cost model of one step of T tokens on N ranks: 2 all-reduces per layer of a [T, hidden] tensor,
@@ -25,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+
+from pagedllm.bench.harness import interleaved
 
 
 @dataclass
@@ -87,26 +90,17 @@ def run_tp(model: str, tp: int, num_prompts: int, prompt_len: int, max_tokens: i
         for i, p in enumerate(prompts):
             engine.add_request(f"b{i}", {"prompt_token_ids": p}, sp)
         stats = getattr(engine.executor, "comm_stats", None)
-        shapes: list[tuple[int, int]] = []  # (tokens, requests) of each step
-        execute = engine.executor.execute
-
-        def recording(out: Any) -> Any:
-            shapes.append((out.num_batched_tokens, len(out.scheduled)))
-            return execute(out)
-
-        engine.executor.execute = recording  # type: ignore[method-assign]
         kinds = {"prefill": StepKind(), "decode": StepKind()}
         t_start = time.perf_counter()
         while engine.has_unfinished_requests():
             before = asdict(stats) if stats is not None else None
-            t0 = time.perf_counter()
             engine.step()
-            dt = time.perf_counter() - t0
-            n_tok, n_req = shapes[-1]
-            k = kinds["decode" if n_tok == n_req else "prefill"]
+            rec = engine.stats
+            k = kinds["decode" if rec.num_scheduled_tokens == rec.num_scheduled_requests
+                      else "prefill"]
             k.steps += 1
-            k.tokens += n_tok
-            k.seconds += dt
+            k.tokens += rec.num_scheduled_tokens
+            k.seconds += rec.step_time_s
             if stats is not None and before is not None:
                 k.allreduce_calls += stats.allreduce_calls - before["allreduce_calls"]
                 k.allreduce_bytes += stats.allreduce_bytes - before["allreduce_bytes"]
@@ -143,12 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=1, help="runs per size; the fastest is reported")
     ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args(argv)
+    sizes = [int(x) for x in a.tp.split(",")]
+
+    def run(tp: int) -> TPResult:
+        return run_tp(a.model, tp, a.num_prompts, a.prompt_len, a.max_tokens, a.threads,
+                      block_size=a.block_size, max_model_len=a.prompt_len + a.max_tokens + 8)
+
     results = []
-    for tp in (int(x) for x in a.tp.split(",")):
-        runs = [run_tp(a.model, tp, a.num_prompts, a.prompt_len, a.max_tokens, a.threads,
-                       block_size=a.block_size, max_model_len=a.prompt_len + a.max_tokens + 8)
-                for _ in range(a.reps)]
-        r = min(runs, key=lambda x: x.wall_s)  # a busy machine only ever slows a run down
+    for tp, runs in zip(sizes, interleaved(sizes, run, a.reps)):
+        r = min(runs, key=lambda x: x.wall_s)  # the fastest (bench.harness)
         results.append(r)
         d = r.decode
         print(f"TP={tp} ({r.threads_per_rank} thread(s)/rank): {r.output_tokens_per_s:7.1f} output tok/s, "
