@@ -4,6 +4,7 @@ Life of a worker::
 
     start ── load this rank's weight shard ──▶ send ("ready", pid, host)
           ◀── ("connect",) ── join the gloo process group (all ranks at once)
+          ◀── ("call", "init_kv_cache", ...) ── allocate this rank's KV heads
           loop: ("call", method, args, kwargs, reply)  run ModelRunner.<method>(*args, **kwargs)
                                                        on this rank; if reply: send ("result", r)
                 ("shutdown",)                          return
@@ -75,7 +76,6 @@ def make_process_group(store: Any, rank: int, size: int, host: str, timeout_s: f
 def worker_main(
     rank: int,
     config: EngineConfig,
-    num_blocks: int | None,
     conn: Connection | tuple[str, int],
     store_addr: tuple[str, int],
     host: str,
@@ -92,7 +92,7 @@ def worker_main(
         conn.send_bytes(pickle.dumps(rank))
     try:
         _watch_parent()
-        _serve(rank, config, num_blocks, conn, store_addr, host, num_threads)
+        _serve(rank, config, conn, store_addr, host, num_threads)
     except EOFError:
         return  # the engine is gone: nothing to report to
     except BaseException:
@@ -103,7 +103,7 @@ def worker_main(
         raise
 
 
-def _serve(rank: int, config: EngineConfig, num_blocks: int | None, conn: Connection,
+def _serve(rank: int, config: EngineConfig, conn: Connection,
            store_addr: tuple[str, int], host: str, num_threads: int) -> None:
     import torch.distributed as dist
 
@@ -112,7 +112,7 @@ def _serve(rank: int, config: EngineConfig, num_blocks: int | None, conn: Connec
     torch.set_num_threads(num_threads)
     size = config.parallel.tensor_parallel_size
     tp = TPGroup(rank, size)
-    runner = ModelRunner(config, num_blocks, tp)
+    runner = ModelRunner(config, tp=tp)  # the KV pool comes with rank 0's init_kv_cache call
     send_message([conn], ("ready", os.getpid(), host))
     msg = recv_message(conn)
     if msg[0] == "shutdown":

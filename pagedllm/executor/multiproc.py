@@ -152,7 +152,7 @@ class MultiprocExecutor(Executor):
         try:
             threads = max(1, (os.cpu_count() or 1) // n)
             self.workers.extend(self._start_workers(config, (self.host, self._store.port), threads))
-            self.driver = ModelRunner(config, None, self.tp)  # loads while theirs do
+            self.driver = ModelRunner(config, tp=self.tp)  # loads while theirs do
             self._await_ready()
             self._send(("connect",))
             self.tp.pg = make_process_group(self._store, 0, n, self.host, self.timeout_s)
@@ -174,7 +174,7 @@ class MultiprocExecutor(Executor):
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(
                 target=worker_main, name=f"pagedllm-tp{rank}", daemon=True,
-                args=(rank, config, None, theirs, store_addr, self.host, threads),
+                args=(rank, config, theirs, store_addr, self.host, threads),
             )
             proc.start()
             theirs.close()

@@ -38,9 +38,9 @@ class _RankActor:
 
         return str(ray.util.get_node_ip_address())
 
-    def run(self, rank: int, config: EngineConfig, num_blocks: int | None, addr: tuple[str, int],
+    def run(self, rank: int, config: EngineConfig, addr: tuple[str, int],
             store_addr: tuple[str, int], host: str, threads: int, authkey: bytes) -> None:
-        worker_main(rank, config, num_blocks, addr, store_addr, host, threads, authkey)
+        worker_main(rank, config, addr, store_addr, host, threads, authkey)
 
 
 class RayWorker(Worker):
@@ -104,8 +104,8 @@ class RayExecutor(MultiprocExecutor):
             host = ray.get(actor.node_ip.remote(), timeout=STARTUP_TIMEOUT_S)  # type: ignore[union-attr]
             actors[rank] = actor
             run: Any = actor.run
-            dones[rank] = run.remote(rank, config, None, listener.address, store_addr,
-                                     host, threads, authkey)
+            dones[rank] = run.remote(rank, config, listener.address, store_addr, host, threads,
+                                     authkey)
         out: list[Worker] = []
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         try:
