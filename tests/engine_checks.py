@@ -1,0 +1,71 @@
+"""Assertions shared by the engine tests: outputs compared token by token *and* by logprob, with
+lengths checked first (``zip`` alone passes when the engine returns nothing)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def chosen_logprobs(c: Any) -> list[float]:
+    """Logprob of each generated token of a ``CompletionOutput`` (run with ``logprobs >= 0``)."""
+    assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids), "no logprobs returned"
+    return [pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids)]
+
+
+def assert_same_completion(got: Any, want: Any, tol: float, what: str = "") -> float:
+    """Same token ids (non-empty) and chosen-token logprobs within ``tol``; returns max |Δ|."""
+    assert len(want.token_ids) > 0, f"{what}: the reference generated nothing"
+    assert list(got.token_ids) == list(want.token_ids), f"{what}: tokens diverged"
+    a, b = chosen_logprobs(got), chosen_logprobs(want)
+    worst = max(abs(x - y) for x, y in zip(a, b))
+    assert worst < tol, f"{what}: a logprob moved by {worst:.3g} (tolerance {tol:g})"
+    return worst
+
+
+def assert_same_outputs(got: Sequence[Any], want: Sequence[Any], tol: float, what: str = "") -> float:
+    """Two lists of ``CompletionOutput`` (one per request), compared pairwise; returns max |Δ|."""
+    assert len(want) > 0, f"{what}: empty reference"
+    assert len(got) == len(want), f"{what}: {len(got)} outputs for {len(want)} requests"
+    return max(assert_same_completion(g, w, tol, f"{what} request {i}")
+               for i, (g, w) in enumerate(zip(got, want)))
+
+
+def audit_kv_moves(llm: Any) -> dict[str, int]:
+    """Wrap the runner's block moves so that every block swapped back in is bit-identical to what
+    was swapped out, and every device copy (copy-on-write, compaction) to its source as it was
+    before the copy; returns live counts of the blocks checked."""
+    import torch
+
+    from pagedllm.attention.quant import raw
+
+    cache = llm.engine.runner.kv_cache
+    real_out, real_in, real_copy = cache.swap_out, cache.swap_in, cache.copy_blocks
+    on_host: dict[int, list[torch.Tensor]] = {}
+    counts = {"swapped_in": 0, "copied": 0}
+
+    def block(b: int) -> list[torch.Tensor]:  # every plane (values and scales) of one block
+        return [raw(p[:, :, b]).clone() for p in cache.planes]
+
+    def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+    def swap_out(pairs: list[tuple[int, int]]) -> None:
+        on_host.update({h: block(d) for d, h in pairs})
+        real_out(pairs)
+
+    def swap_in(pairs: list[tuple[int, int]]) -> None:
+        real_in(pairs)
+        for h, d in pairs:
+            assert same(block(d), on_host.pop(h)), f"host block {h} came back changed in {d}"
+            counts["swapped_in"] += 1
+
+    def copy_blocks(pairs: list[tuple[int, int]]) -> None:
+        before = {s: block(s) for s, _ in pairs}
+        real_copy(pairs)
+        for s, d in pairs:
+            assert same(block(d), before[s]), f"block {d} is not a copy of block {s}"
+            counts["copied"] += 1
+
+    cache.swap_out, cache.swap_in, cache.copy_blocks = swap_out, swap_in, copy_blocks
+    return counts
