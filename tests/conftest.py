@@ -76,3 +76,27 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "qwen2": make_hf_model(root / "qwen2", "qwen2", tie_word_embeddings=True),
         "mistral": make_hf_model(root / "mistral", "mistral", num_key_value_heads=1),  # MQA
     }
+
+
+@pytest.fixture(scope="session")
+def make_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``make_model(arch, **overrides)``: one more random checkpoint (e.g. another window)."""
+
+    def make(arch: str, **overrides: Any) -> Path:
+        return make_hf_model(tmp_path_factory.mktemp(arch) / arch, arch, **overrides)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def sampling_model(make_model: Any) -> Path:
+    """A Llama with sharper logits than ``tiny_models`` (initializer_range 0.5): every sampling
+    option of ``sampling_reference.CONFIGS`` changes some seeded token."""
+    return make_model("llama", head_dim=32, initializer_range=0.5)
+
+
+@pytest.fixture(scope="session")
+def sampling_hf(sampling_model: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(sampling_model, dtype=torch.float32).eval()

@@ -28,7 +28,10 @@ def _engine(tiny_models: dict[str, Path], **kw: int) -> LLM:
 
 def _run(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    assert len(outs) == len(PROMPTS)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert all(len(g) == N for g in got)  # ignore_eos: every request runs its max_tokens
+    return got
 
 
 def _reference(hf: torch.nn.Module, prompt: list[int], presence: float, frequency: float) -> list[int]:
@@ -48,7 +51,7 @@ def test_repetition_penalty_matches_hf(tiny_models: dict[str, Path], hf: torch.n
     got = _run(_engine(tiny_models, num_kv_blocks=128),
                [SamplingParams(temperature=0, max_tokens=N, ignore_eos=True,
                                repetition_penalty=1.6)] * len(PROMPTS))
-    for p, g in zip(PROMPTS, got):
+    for p, g in zip(PROMPTS, got, strict=True):
         with torch.no_grad():
             seq = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                               max_new_tokens=N, do_sample=False, repetition_penalty=1.6,
@@ -65,7 +68,7 @@ def test_presence_and_frequency_penalties_match_the_formula(
                              frequency_penalty=fr) for pr, fr in settings]
     llm = _engine(tiny_models, num_kv_blocks=num_kv_blocks, max_num_seqs=4)
     got = _run(llm, params)
-    for p, (pr, fr), g in zip(PROMPTS, settings, got):
+    for p, (pr, fr), g in zip(PROMPTS, settings, got, strict=True):
         assert g == _reference(hf, p, pr, fr)
     if num_kv_blocks == 14:
         assert llm.engine.num_preemptions > 0

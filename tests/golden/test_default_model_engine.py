@@ -20,7 +20,8 @@ def test_default_model_greedy_and_prompt_logprobs_match_hf() -> None:
     llm = LLM()  # no model argument: the shipped default
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, prompt_logprobs=0, logprobs=0)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    for prompt, out in zip(PROMPTS, outs):
+    assert len(outs) == len(PROMPTS)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
         ids = tok(prompt, add_special_tokens=False)["input_ids"]
         assert out.prompt_token_ids == ids
         with torch.no_grad():
@@ -29,10 +30,13 @@ def test_default_model_greedy_and_prompt_logprobs_match_hf() -> None:
                               output_logits=True, return_dict_in_generate=True)
             ref_prompt = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
         hf_new = gen.sequences[0, len(ids):].tolist()
+        assert len(hf_new) == NEW and len(out.outputs) == 1
         comp = out.outputs[0]
         assert comp.token_ids == hf_new, (prompt, comp.text, tok.decode(hf_new))
         assert comp.text == tok.decode(hf_new)
         hf_lp = torch.cat(gen.logits).log_softmax(-1)
+        assert comp.logprobs is not None and len(comp.logprobs) == NEW
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids)
         for i, t in enumerate(hf_new):
             assert abs(comp.logprobs[i][t].logprob - hf_lp[i, t].item()) < 1e-4
         for i in range(1, len(ids)):
