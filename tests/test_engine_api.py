@@ -64,6 +64,48 @@ def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
     banned = llm.generate("t30 t31", SamplingParams(temperature=0, max_tokens=5, min_tokens=2, stop_token_ids=[first]),
                           use_tqdm=False)[0].outputs[0]
     assert banned.token_ids[0] != first and len(banned.token_ids) >= 2
+    assert first not in banned.token_ids[:2]
+
+
+def _hf_min_tokens(model, prompt: list[int], stop: int, min_tokens: int, n: int):  # type: ignore[no-untyped-def]
+    """Greedy over HF's forward with ``stop`` banned for the first ``min_tokens`` steps and ending
+    the output afterwards: (tokens, steps whose unbanned argmax was ``stop``)."""
+    import torch
+
+    ids, out, bit = list(prompt), [], []
+    for step in range(n):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        if step < min_tokens:
+            bit += [step] if int(logits.argmax()) == stop else []
+            logits[stop] = float("-inf")
+        out.append(int(logits.argmax()))
+        ids.append(out[-1])
+        if step >= min_tokens and out[-1] == stop:
+            break
+    return out, bit
+
+
+@pytest.mark.parametrize("min_tokens", [2, 3])
+def test_min_tokens_bans_stop_tokens_for_every_early_step(llm: LLM, tiny_models: dict[str, Path],
+                                                          min_tokens: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32).eval()
+    prompt = [30, 31]
+    first = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1),
+                         use_tqdm=False)[0].outputs[0].token_ids[0]
+    want, bit = _hf_min_tokens(hf, prompt, first, min_tokens, 12)
+    # Unbanned, the stop token would win steps 0 and 2: min_tokens=3 must ban it at step 2 too
+    # (a ban on the first step only stops there); min_tokens=2 ends with it at step 2.
+    assert bit == {2: [0], 3: [0, 2]}[min_tokens]
+    sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=min_tokens, stop_token_ids=[first])
+    out = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == want
+    assert out.finish_reason == ("stop" if want[-1] == first else "length")
+    assert first not in out.token_ids[:min_tokens]
+    _all_blocks_back(llm)
 
 
 def test_invalid_input_raises_and_loses_nothing(llm: LLM) -> None:

@@ -75,6 +75,19 @@ def test_priority_orders_admission_and_victims() -> None:
     s.add_request(req("low", 4, priority=5))
     s.add_request(req("high", 4, priority=0, base=300))
     assert set(run_step(s)[0]) == {"high"}
+    # victims: "low" arrived first, so arrival order alone would preempt "high"
+    s = make(num_blocks=6, budget=32)
+    s.add_request(req("low", 8, max_tokens=12, priority=5))
+    s.add_request(req("high", 8, max_tokens=12, priority=0, base=200))
+    preempted: list[str] = []
+    high_steps = 0
+    while s.has_unfinished_requests():
+        sched, pre = run_step(s)
+        preempted += pre
+        high_steps += "high" in sched
+    assert preempted and set(preempted) == {"low"}
+    assert high_steps == 12  # prompt + 11 decodes: "high" ran every step until it finished
+    assert s.kv.num_free_blocks == 6
 
 
 def test_prompt_that_can_never_fit_fails_at_once() -> None:

@@ -3,6 +3,7 @@ and the SDPA fallback), and write_kv slot placement."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -79,6 +80,8 @@ def compare_with_torch_ref(
     kc = torch.randn(shape, generator=gen).to(dtype)
     vc = torch.randn(shape, generator=gen).to(dtype)
     kc2, vc2 = kc.to(device, copy=True), vc.to(device, copy=True)
+    before = (kc.clone(), vc.clone())
+    host_meta = dataclasses.replace(meta)  # keeps the CPU tensors
     scale = head_dim**-0.5
     ref = TorchRefBackend().forward(q, k, v, kc, vc, meta, scale, sliding_window)
     for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
@@ -88,6 +91,9 @@ def compare_with_torch_ref(
     assert out.dtype == dtype and out.shape == q.shape
     atol = (tol or TOL)[dtype]
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=atol)
+    # the backend's write, checked on its own (torch_ref and cpu share write_kv) ...
+    assert_slots_hold(kc2.cpu(), vc2.cpu(), k, v, host_meta, before)
+    # ... and the same caches as torch_ref's
     assert torch.equal(kc, kc2.cpu()) and torch.equal(vc, vc2.cpu())
 
 
@@ -216,9 +222,10 @@ def test_random_batches(
 
 
 def assert_slots_hold(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      meta: AttentionMetadata) -> None:
+                      meta: AttentionMetadata,
+                      before: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """New row j (request i, position p) sits at block_tables[i, p // bs], offset p % bs, and
-    every other slot of the (zero-initialised) caches is still zero."""
+    every other slot still holds what it held ``before`` (default: zero-initialised caches)."""
     num_blocks, block_size, hkv, d = kc.shape
     row = 0
     qsl = meta.query_start_loc_cpu
@@ -228,9 +235,12 @@ def assert_slots_hold(kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: to
             assert torch.equal(kc[block, p % block_size], k[row])
             assert torch.equal(vc[block, p % block_size], v[row])
             row += 1
+    assert row == meta.num_tokens
     written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
     written[meta.slot_mapping] = True
-    assert not kc.view(-1, hkv, d)[~written].any() and not vc.view(-1, hkv, d)[~written].any()
+    k0, v0 = before if before is not None else (torch.zeros_like(kc), torch.zeros_like(vc))
+    for cache, old in ((kc, k0), (vc, v0)):
+        assert torch.equal(cache.view(-1, hkv, d)[~written], old.view(-1, hkv, d)[~written])
 
 
 @pytest.mark.parametrize("backend", ["torch_ref", "cpu"])

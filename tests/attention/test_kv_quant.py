@@ -98,6 +98,37 @@ def _clone(c: torch.Tensor | QuantizedKV) -> torch.Tensor | QuantizedKV:
     return QuantizedKV(c.data.clone(), c.scale.clone()) if isinstance(c, QuantizedKV) else c.clone()
 
 
+def _ref_quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The storage format restated without quantize(): scale = the smallest bf16 >= amax / qmax,
+    values x / scale rounded half up (int8) or to nearest (fp8)."""
+    qmax = QMAX[dtype]
+    want = x.float().abs().amax(-1) / qmax
+    s = want.to(SCALE_DTYPE)
+    s = torch.where(s.float() < want, torch.nextafter(s, torch.full_like(s, float("inf"))), s)
+    y = x.float() / s.float().unsqueeze(-1)
+    q = torch.floor(y + 0.5).clamp(-qmax, qmax).to(dtype) if dtype == I8 else y.to(dtype)
+    return q, s
+
+
+def _assert_written(after: torch.Tensor | QuantizedKV, before: torch.Tensor | QuantizedKV,
+                    x: torch.Tensor, slots: torch.Tensor) -> None:
+    """Rows x [T, Hkv, D] stored at ``slots`` in the storage format, every other slot untouched:
+    an independent check of the write (torch_ref and cpu share one write_kv)."""
+    written = torch.zeros(after.shape[0] * after.shape[1], dtype=torch.bool)
+    written[slots] = True
+    if isinstance(after, QuantizedKV):
+        assert isinstance(before, QuantizedKV)
+        q, s = _ref_quantize(x, after.dtype)
+        planes = [(raw(after.data), raw(before.data), raw(q)), (after.scale, before.scale, s)]
+    else:
+        assert isinstance(before, torch.Tensor)
+        planes = [(after, before, x.to(after.dtype))]
+    for new, old, want in planes:
+        new, old = new.flatten(0, 1), old.flatten(0, 1)  # [slots, ...]
+        assert torch.equal(new[slots], want)
+        assert torch.equal(new[~written], old[~written])
+
+
 def _same(a: torch.Tensor | QuantizedKV, b: torch.Tensor | QuantizedKV) -> bool:
     if isinstance(a, QuantizedKV) and isinstance(b, QuantizedKV):
         return torch.equal(raw(a.data), raw(b.data)) and torch.equal(a.scale, b.scale)
@@ -125,6 +156,7 @@ def test_backend_matches_reference_on_quantized_cache(
     kc = _qcache((nb, block_size, hkv, d), kd, gen, dtype)
     vc = _qcache((nb, block_size, hkv, d), vd, gen, dtype)
     kc2, vc2 = _clone(kc), _clone(vc)
+    k0, v0 = _clone(kc), _clone(vc)
     ref = TorchRefBackend().forward(q, k, v, kc, vc, meta, d**-0.5)
     if backend.startswith("cpu"):
         be = cpu_backend("kernel" if backend == "cpu" else "sdpa")
@@ -132,6 +164,8 @@ def test_backend_matches_reference_on_quantized_cache(
         be = get_backend(backend, "cuda" if torch.cuda.is_available() else "cpu")
     out = be.forward(q, k, v, kc2, vc2, meta, d**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    _assert_written(kc2, k0, k, meta.slot_mapping)
+    _assert_written(vc2, v0, v, meta.slot_mapping)
     assert _same(kc, kc2) and _same(vc, vc2)
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bench_fake_server import FakeServer
+from server_helpers import ServerThread, scrape
 
 from pagedllm.bench.contiguous import ContiguousScheduler
 from pagedllm.bench.probe import replay
@@ -146,7 +148,9 @@ def test_memory_replay_paged_admits_more() -> None:
     paged = replay(reqs, Scheduler, cfg, nb, 4)
     cont = replay(reqs, ContiguousScheduler, cfg, nb, 4)
     assert cont.summary()["peak_running"] == 4
-    assert paged.summary()["peak_running"] >= cont.summary()["peak_running"]
+    # paged: the 16 requests' real lengths (232 tokens) fit the 256-token pool all at once
+    assert paged.summary()["peak_running"] == 16
+    assert paged.summary()["steps"] < cont.summary()["steps"]
     assert paged.summary()["kv_utilization"] > cont.summary()["kv_utilization"]
     assert all(0 < u <= 1 for u in paged.utilization if u)
 
@@ -179,7 +183,8 @@ def test_bench_memory_cli(model: Path, tmp_path: Path) -> None:
         res = _run(["bench", "memory", "--mode", mode, "--model", str(model), "--full-requests",
                     "2", "--output-dir", str(tmp_path), "--output-json", str(out), *SMALL], out)
         by = {r["policy"]: r for r in res["results"]}
-        assert by["paged"]["peak_running"] >= by["contiguous"]["peak_running"] == 2
+        # paged runs all 6 short requests at once in the pool of 2 full-length reservations
+        assert by["paged"]["peak_running"] == 6 and by["contiguous"]["peak_running"] == 2
         assert res["num_kv_blocks"] == 2 * MML // 4
         assert set(res["series"]["paged"]) == {"t", "running", "live", "reserved", "pool",
                                                  "utilization"}
@@ -211,20 +216,39 @@ def test_bench_kernel_cli(tmp_path: Path) -> None:
     assert all(r["paged_ms"] > 0 and r["contiguous_ms"] > 0 for r in res["results"])
 
 
-def test_bench_serve_cli_against_fake_server(model: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def live_server(model: Path) -> Iterator[ServerThread]:
+    """The real OpenAI server (uvicorn + AsyncEngine) in-process on a loopback port."""
+    from pagedllm.engine import LLMEngine
+    from pagedllm.server.api import ServerLimits, build_app
+
+    engine = LLMEngine.from_args(**_engine_kwargs(model, num_kv_blocks=128))
+    with ServerThread(build_app(engine, model_name="tiny-bench", limits=ServerLimits())) as s:
+        yield s
+
+
+def test_bench_serve_cli_against_the_real_server(model: Path, tmp_path: Path,
+                                                 live_server: ServerThread) -> None:
     out = tmp_path / "serve.json"
-    with FakeServer() as srv:
-        res = _run(["bench", "serve", "--base-url", srv.base_url, "--model", str(model),
-                    "--request-rate", "200", "--max-concurrency", "3", "--num-prompts", "5",
-                    "--prompt-median", "8", "--output-median", "6", "--max-model-len", str(MML),
-                    "--slo-ttft-ms", "10000", "--no-plot", "--output-dir", str(tmp_path),
-                    "--output-json", str(out)], out)
+    before = scrape(live_server)
+    res = _run(["bench", "serve", "--base-url", live_server.base_url, "--model", str(model),
+                "--request-rate", "200", "--max-concurrency", "3", "--num-prompts", "5",
+                "--prompt-median", "8", "--output-median", "6", "--max-model-len", str(MML),
+                "--slo-ttft-ms", "600000", "--no-plot", "--output-dir", str(tmp_path),
+                "--output-json", str(out)], out)
     assert res["completed"] == 5 and res["failed"] == 0
-    assert res["model"] == "fake-model"
+    assert res["model"] == "tiny-bench"  # from the server's /v1/models
     for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert set(res[m]) == {"mean", "p50", "p90", "p99"}
     assert res["output_throughput"] > 0 and res["goodput"] == pytest.approx(res["request_throughput"])
     assert sum(r["output_tokens"] for r in res["per_request"]) == res["workload"]["output_tokens"]
+    # the server really ran the workload: its own counters moved by exactly the workload's tokens
+    live_server.wait_idle()
+    after = scrape(live_server)
+    for name, key in (("prompt_tokens_total", "prompt_tokens"),
+                      ("generation_tokens_total", "output_tokens")):
+        moved = after[f"pagedllm:{name}"] - before.get(f"pagedllm:{name}", 0)
+        assert moved == res["workload"][key], name
 
 
 def test_random_model_cli(model: Path, tmp_path: Path) -> None:
@@ -239,8 +263,11 @@ def test_random_model_cli(model: Path, tmp_path: Path) -> None:
 
 
 def test_bench_serve_without_a_server_says_what_to_do(model: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", str(model),
-                 "--num-prompts", "1", "--max-model-len", str(MML), "--no-plot"]) == 2
+    with socket.socket() as held:  # bound, never listening: connections are refused, and no
+        held.bind(("127.0.0.1", 0))  # other process can take the port while the test runs
+        url = f"http://127.0.0.1:{held.getsockname()[1]}"
+        assert main(["bench", "serve", "--base-url", url, "--model", str(model),
+                     "--num-prompts", "1", "--max-model-len", str(MML), "--no-plot"]) == 2
     assert "start `pagedllm serve` first" in capsys.readouterr().err
 
 
@@ -278,5 +305,24 @@ def test_bench_kv_quant_cli(model: Path, tmp_path: Path) -> None:
     rows = {r["label"]: r for r in json.loads(out.read_text())}
     assert set(rows) >= {"auto", "int8", "K auto + V int8", "fp8_e4m3"}
     ref, q = rows["auto"], rows["int8"]
-    assert ref["top1_agreement"] == 1.0 and 0.0 < q["top1_agreement"] <= 1.0
+    # random weights, 62 teacher-forced positions: int8 measured 61 / 62 = 98.4 % (one near-tie
+    # flip); the bound allows two more. The shipped model's figure is the slow test below.
+    assert ref["top1_agreement"] == 1.0 and q["top1_agreement"] >= 0.95
     assert q["kv_bytes_per_token"] < ref["kv_bytes_per_token"] and q["tokens_in_budget"] > ref["tokens_in_budget"]
+
+
+@pytest.mark.slow  # ~30 s: eight KV layouts on the shipped model
+def test_kv_quant_on_the_shipped_model_holds_the_readme_figures(tmp_path: Path) -> None:
+    """README: int8 keeps 99.6 % top-1 agreement (32 x 384 positions) and the perplexity. Here
+    4 x 128 held-out positions; measured int8 99.41 %, K or V alone 99.41 %, fp8_e4m3 97.24 %,
+    |Δppl| <= 0.11 %, mean |Δlogprob| int8 0.0050. Bounds: a few near-tie flips of margin."""
+    out = tmp_path / "q.json"
+    assert main(["bench", "kv-quant", "--windows", "4", "--window-len", "128", "--greedy", "2",
+                 "--greedy-tokens", "8", "--json", str(out)]) == 0
+    rows = {r["label"]: r for r in json.loads(out.read_text())}
+    assert rows["auto"]["top1_agreement"] == 1.0
+    for label in ("int8", "K auto + V int8", "K int8 + V auto"):
+        assert rows[label]["top1_agreement"] >= 0.98, label
+        assert abs(rows[label]["ppl_change_pct"]) < 0.5, label
+    assert rows["int8"]["mean_abs_dlogprob"] < 0.01
+    assert rows["fp8_e4m3"]["top1_agreement"] >= 0.95

@@ -111,7 +111,10 @@ def test_swap_preemption_through_pinned_host_memory(tiny_models: dict[str, Path]
     assert llm.engine.runner.kv_cache.host is not None
     assert all(t.is_pinned() for t in llm.engine.runner.kv_cache.host)
     assert _tokens(llm) == want
-    assert llm.engine.num_preemptions > 0
+    kinds = llm.engine.scheduler.preemptions_by_kind
+    assert kinds["swap"] > 0 and kinds["recompute"] == 0, kinds  # by swap, through the pinned tier
+    stats = llm.kv_stats()
+    assert stats["swapped_out_blocks"] == stats["swapped_in_blocks"] > 0
     llm.engine.kv.pool.check_integrity()
 
 
@@ -121,9 +124,22 @@ def test_seeded_sampling_is_reproducible_on_the_gpu(tiny_models: dict[str, Path]
     assert _tokens(llm, sp) == _tokens(llm, sp)
 
 
+def _top1(llm: LLM, seqs: list[list[int]]) -> list[int]:
+    """Teacher-forced: the most likely next token at every position of each sequence."""
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs], sp, use_tqdm=False)
+    assert len(outs) == len(seqs)
+    return [min(pos, key=lambda t: pos[t].rank) for o in outs for pos in o.prompt_logprobs[1:]]
+
+
 def test_int8_kv_cache_on_the_gpu(tiny_models: dict[str, Path]) -> None:
+    """Top-1 agreement with the unquantized cache, teacher-forced on the unquantized greedy
+    continuations (the README's measure: 99.6 % on the shipped model). The same check on the CPU
+    backend (same quantization arithmetic) measures 266 / 267 = 99.6 % for these prompts."""
     kw = dict(model=str(tiny_models["llama"]), device="cuda", max_model_len=256, **SMALL)
-    full = _tokens(LLM(**kw))
-    q = _tokens(LLM(kv_cache_dtype="int8", **kw))
-    same = sum(a == b for x, y in zip(full, q) for a, b in zip(x, y))
-    assert same >= 0.8 * sum(len(x) for x in full)
+    full = LLM(**kw)
+    outs = full.generate(PROMPTS, GREEDY, use_tqdm=False)
+    seqs = [o.prompt_token_ids + list(o.outputs[0].token_ids) for o in outs]
+    ref, got = _top1(full, seqs), _top1(LLM(kv_cache_dtype="int8", **kw), seqs)
+    assert len(ref) == len(got) == sum(len(s) - 1 for s in seqs) == 267
+    assert sum(a == b for a, b in zip(ref, got)) >= 0.98 * len(ref)
