@@ -17,7 +17,8 @@ S = "server"
 @dataclass
 class ServerArgs:
     host: str = setting("127.0.0.1", "bind address (default: loopback only)", group=S)
-    port: int = setting(8000, "TCP port", group=S)
+    port: int = setting(8000, "TCP port; 0 picks a free one (the 'listening on' line says which)",
+                        group=S)
     api_key: str | None = setting(
         None, "require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLLM_API_KEY)", group=S)
     served_model_name: str | None = setting(

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import os
 import signal
+import socket
 from typing import Any
 
 from pagedllm.args import EngineArgs
@@ -51,6 +52,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # re-raises the signal afterwards to the handler it found; a no-op one makes the drain exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=srv.host, port=srv.port, log_level=srv.log_level,
-                timeout_graceful_shutdown=srv.drain_timeout)  # type: ignore[arg-type]  # a float works
+    # Bind here, not in uvicorn, so that --port 0 can report the port the OS picked (no
+    # pick-a-free-port-then-hand-it-over race for scripts and tests).
+    sock = socket.socket(socket.AF_INET6 if ":" in srv.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((srv.host, srv.port))
+    host = f"[{srv.host}]" if ":" in srv.host else srv.host
+    print(f"pagedllm serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True)
+    config = uvicorn.Config(app, log_level=srv.log_level,
+                            timeout_graceful_shutdown=srv.drain_timeout)  # type: ignore[arg-type]  # a float works
+    uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -17,26 +17,33 @@ def engine(chat_model: Path) -> LLMEngine:
     return LLMEngine.from_args(model=str(chat_model), block_size=4, num_kv_blocks=128, max_model_len=128)
 
 
-def test_batch_window_lets_a_late_arrival_join_the_first_step(engine: LLMEngine) -> None:
-    async def main() -> list[int]:
-        ae = AsyncEngine(engine, batch_wait_ms=300)
+def test_batch_window_lets_a_late_arrival_join_the_first_step(chat_model: Path) -> None:
+    """"b" is sent only after the engine accepted "a" (the engine thread is then in the window);
+    the window waits for arrivals until the batch reaches max_num_seqs=2, so both run from step 1.
+    The window (60 s) is far longer than the test: it closes on its condition, not on time."""
+    engine = LLMEngine.from_args(model=str(chat_model), block_size=4, num_kv_blocks=128,
+                                 max_model_len=128, max_num_seqs=2)
+
+    async def main() -> dict[str, int]:
+        ae = AsyncEngine(engine, batch_wait_ms=60_000)
         ae.start()
         sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-        first_step: list[int] = []
+        first_step: dict[str, int] = {}
 
-        async def run(rid: str, delay: float) -> None:
-            await asyncio.sleep(delay)
-            stream = OutputStream()
-            await ae.add_request(rid, [5, 6, 7], sp, stream)
+        async def read(rid: str, stream: OutputStream) -> None:
             async for out in stream:
                 if len(out.outputs[0].token_ids) == 1:
-                    first_step.append(ae.num_steps)
+                    first_step[rid] = ae.num_steps
 
-        await asyncio.gather(run("a", 0.0), run("b", 0.05))
+        streams = {rid: OutputStream() for rid in ("a", "b")}
+        await ae.add_request("a", [5, 6, 7], sp, streams["a"])
+        assert ae.num_steps == 0
+        await ae.add_request("b", [5, 6, 7], sp, streams["b"])
+        await asyncio.gather(*(read(rid, s) for rid, s in streams.items()))
         await ae.shutdown()
         return first_step
 
-    assert asyncio.run(main()) == [1, 1]
+    assert asyncio.run(main()) == {"a": 1, "b": 1}
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
