@@ -15,7 +15,7 @@ from engine_checks import assert_same_completion, assert_same_outputs, audit_kv_
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine import LLMEngine
-from pagedllm.kv.swap import PreemptionCost, choose_preemption
+from pagedllm.sched.preemption import PreemptionCost, choose_preemption
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
 # Each memory feature against the plain engine: same tokens, chosen-token logprobs within LP_TOL.
