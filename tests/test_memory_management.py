@@ -36,16 +36,22 @@ def _llm(tiny_models: dict[str, Path], **kw: object) -> LLM:
     return LLM(model=str(tiny_models["llama"]), **args)
 
 
-def _run(engine: LLMEngine, max_steps: int = 2000) -> dict[str, list]:
-    """Step until idle, checking integrity after every step; request id -> finished outputs."""
+def _run(engine: LLMEngine, prompts: list[list[int]], after_step: Any = None,
+         max_steps: int = 2000) -> dict[str, list]:
+    """Add ``prompts`` as q0, q1, ... (GREEDY) and step until idle, checking integrity and calling
+    ``after_step(step_number)`` after every step; request id -> finished outputs."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"q{i}", {"prompt_token_ids": p}, GREEDY)
     done: dict[str, list] = {}
-    for _ in range(max_steps):
+    for step in range(1, max_steps + 1):
         if not engine.has_unfinished_requests():
             break
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs
         engine.check_integrity()
+        if after_step is not None:
+            after_step(step)
     assert not engine.has_unfinished_requests()
     return done
 
@@ -286,20 +292,12 @@ def test_preemption_modes_keep_greedy_outputs(tiny_models: dict[str, Path], refe
     elif mode == "auto":  # a victim of b blocks has at least 4 (b - 1) + 1 computed tokens
         c = eng.scheduler.cost_model
         assert all(c.swap_s(b) < c.recompute_s(4 * (b - 1) + 1) for b in range(1, 33))
-    for i, p in enumerate(prompts):
-        eng.add_request(f"q{i}", {"prompt_token_ids": p}, GREEDY)
-    seen_swapped = 0
-    done: dict[str, list] = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.outputs
-        eng.check_integrity()
-        seen_swapped = max(seen_swapped, eng.scheduler.num_swapped)
+    swapped: list[int] = []
+    done = _run(eng, prompts, lambda step: swapped.append(eng.scheduler.num_swapped))
     kinds = eng.scheduler.preemptions_by_kind
     other = "recompute" if kind == "swap" else "swap"
     assert kinds[kind] > 0 and kinds[other] == 0, kinds
-    assert (seen_swapped > 0) == (kind == "swap")
+    assert (max(swapped) > 0) == (kind == "swap")
     stats = llm.kv_stats()
     assert stats["swapped_out_blocks"] == stats["swapped_in_blocks"]
     assert (stats["swapped_out_blocks"] > 0) == (kind == "swap")
@@ -329,23 +327,6 @@ def test_abort_swapped_and_sharing_requests_leaks_nothing(tiny_models: dict[str,
 
 
 # -- 5. compaction and the elastic pool -----------------------------------------------------------
-def _run_counting(llm: LLM, prompts: list[list[int]], after_step: Any) -> dict[str, list]:
-    """Step ``prompts`` to the end; ``after_step(step_number)`` runs after every step."""
-    eng = llm.engine
-    for i, p in enumerate(prompts):
-        eng.add_request(f"q{i}", {"prompt_token_ids": p}, GREEDY)
-    done: dict[str, list] = {}
-    steps = 0
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.outputs
-        steps += 1
-        eng.check_integrity()
-        after_step(steps)
-    return done
-
-
 def test_on_demand_compaction_keeps_greedy_outputs(tiny_models: dict[str, Path],
                                                    reference: dict) -> None:
     prompts = _prompts(12)
@@ -357,7 +338,7 @@ def test_on_demand_compaction_keeps_greedy_outputs(tiny_models: dict[str, Path],
         assert llm.engine.kv.fragmentation() == 0
         assert llm.engine.memory.num_compactions == step  # one per call, nothing else
 
-    done = _run_counting(llm, prompts, defragment)
+    done = _run(llm.engine, prompts, defragment)
     assert sum(moved) > 0
     _check_all(done, prompts, reference)
     _all_back(llm.engine)
@@ -378,7 +359,7 @@ def test_every_n_steps_trigger_fires_on_its_steps_only(tiny_models: dict[str, Pa
         else:
             fragmented_between = max(fragmented_between, eng.kv.fragmentation())
 
-    done = _run_counting(llm, prompts, check)
+    done = _run(llm.engine, prompts, check)
     assert fragmented_between > 0  # there was something to move when it fired
     _check_all(done, prompts, reference)
     _all_back(eng)
@@ -408,7 +389,7 @@ def test_low_utilization_trigger_fires_after_its_window_only(
             expected, low = expected + 1, 0
         assert eng.memory.num_compactions == expected, f"step {step}, utilization {util:.3f}"
 
-    done = _run_counting(llm, prompts, check)
+    done = _run(llm.engine, prompts, check)
     steps = eng.memory.steps
     if threshold == 0.0:
         assert expected == 0

@@ -268,7 +268,8 @@ def test_engine_with_triton_and_decode_graphs_matches_hf(tiny_models: dict[str, 
     sp = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32).eval()
-    for p, out in zip(prompts, outs):
+    assert len(outs) == len(prompts)
+    for p, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                               max_new_tokens=n_new, do_sample=False, eos_token_id=None,
@@ -276,7 +277,7 @@ def test_engine_with_triton_and_decode_graphs_matches_hf(tiny_models: dict[str, 
         ids = ref.sequences[0, len(p):].tolist()
         lps = torch.cat(ref.logits).float().log_softmax(-1)
         comp = out.outputs[0]
-        assert comp.token_ids == ids
+        assert len(ids) == n_new and comp.token_ids == ids
         assert comp.logprobs is not None
         for step, tok in enumerate(ids):
             assert abs(comp.logprobs[step][tok].logprob - lps[step, tok].item()) < 1e-4

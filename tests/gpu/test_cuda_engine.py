@@ -23,7 +23,9 @@ SMALL = dict(gpu_memory_utilization=0.05)
 
 
 def _tokens(llm: LLM, sp: SamplingParams = GREEDY) -> list[list[int]]:
-    return [list(r.outputs[0].token_ids) for r in llm.generate(PROMPTS, sp, use_tqdm=False)]
+    outs = [list(r.outputs[0].token_ids) for r in llm.generate(PROMPTS, sp, use_tqdm=False)]
+    assert len(outs) == len(PROMPTS) and all(outs)  # an engine returning nothing fails here
+    return outs
 
 
 ID_PROMPTS = [[5], [9, 9], [40] * 30, list(range(100, 160)), [7, 8, 9, 10, 11, 12, 13]]
@@ -64,9 +66,11 @@ def test_cuda_graphs_give_the_eager_tokens_and_logprobs(tiny_models: dict[str, P
     graph = LLM(**kw)
     a = eager.generate(PROMPTS, sp, use_tqdm=False)
     b = graph.generate(PROMPTS, sp, use_tqdm=False)
-    for x, y in zip(a, b):
+    assert len(a) == len(b) == len(PROMPTS)
+    for x, y in zip(a, b, strict=True):
+        assert len(x.outputs[0].token_ids) == 16
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        for pa, pb in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+        for pa, pb in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):
             for tok, lp in pa.items():
                 assert abs(lp.logprob - pb[tok].logprob) < 1e-4
     assert graph.engine.runner.graphs.replays > 0
