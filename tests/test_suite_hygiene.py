@@ -10,7 +10,7 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 RULES = {
-    "a duration in an assertion": re.compile(
+    "a measured duration compared": re.compile(
         r"assert\b.*\belapsed\b|\belapsed\w*\s*[<>]|(monotonic|perf_counter|time)\(\)\s*-\s*\w+\s*[<>]"),
     "an event fired from a timer": re.compile(r"threading\.Timer\("),
     "a hard-coded local port": re.compile(r"(127\.0\.0\.1|localhost):\d"),

@@ -244,8 +244,8 @@ def test_killed_worker_fails_the_engine_at_once_and_leaves_no_process(
     assert "rank 1" in str(err) and "SIGKILL" in str(err) and "Start a new engine" in str(err)
     # at once: a dead peer closes its sockets; the collective did not wait out timeout_s=120
     assert "timed out" not in str(err).lower() and "stopped answering" not in str(err)
-    if when == "between-steps":  # caught before the step was sent, not by a failed collective
-        assert "gloo" not in str(err)
+    if when == "between-steps":  # seen by the health check before the step: no send or
+        assert "Error" not in str(err)  # collective failed (BrokenPipeError, gloo's RuntimeError)
     assert not _running(pid) and _spawned_children() <= before
     with pytest.raises(WorkerFailure):
         engine.step()  # and again, without touching the dead group

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -18,32 +19,43 @@ def engine(chat_model: Path) -> LLMEngine:
 
 
 def test_batch_window_lets_a_late_arrival_join_the_first_step(chat_model: Path) -> None:
-    """"b" is sent only after the engine accepted "a" (the engine thread is then in the window);
-    the window waits for arrivals until the batch reaches max_num_seqs=2, so both run from step 1.
-    The window (60 s) is far longer than the test: it closes on its condition, not on time."""
+    """"b" is sent after the engine accepted "a" and had half a second in which it would have
+    stepped "a" alone without a window; the window waits for arrivals until the batch reaches
+    max_num_seqs=2, so both get their first token from engine step 1. The window (60 s) is far
+    longer than the test: it closes on its condition, not on time."""
     engine = LLMEngine.from_args(model=str(chat_model), block_size=4, num_kv_blocks=128,
                                  max_model_len=128, max_num_seqs=2)
+    first_step: dict[str, int] = {}  # request -> the engine step that produced its first token
+    real_step, steps = engine.step, [0]
 
-    async def main() -> dict[str, int]:
+    def step() -> list:
+        outs = real_step()
+        steps[0] += 1
+        for out in outs:
+            if len(out.outputs[0].token_ids) == 1:
+                first_step[out.request_id] = steps[0]
+        return outs
+
+    engine.step = step  # type: ignore[method-assign]
+
+    async def main() -> None:
         ae = AsyncEngine(engine, batch_wait_ms=60_000)
         ae.start()
         sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-        first_step: dict[str, int] = {}
-
-        async def read(rid: str, stream: OutputStream) -> None:
-            async for out in stream:
-                if len(out.outputs[0].token_ids) == 1:
-                    first_step[rid] = ae.num_steps
-
         streams = {rid: OutputStream() for rid in ("a", "b")}
         await ae.add_request("a", [5, 6, 7], sp, streams["a"])
-        assert ae.num_steps == 0
+        # give an engine without a window every chance to step "a" alone before "b" arrives
+        deadline = time.monotonic() + 0.5
+        while steps[0] == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         await ae.add_request("b", [5, 6, 7], sp, streams["b"])
-        await asyncio.gather(*(read(rid, s) for rid, s in streams.items()))
+        for stream in streams.values():
+            async for _ in stream:
+                pass
         await ae.shutdown()
-        return first_step
 
-    assert asyncio.run(main()) == {"a": 1, "b": 1}
+    asyncio.run(main())
+    assert first_step == {"a": 1, "b": 1}
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
