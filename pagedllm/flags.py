@@ -204,3 +204,28 @@ def apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser,
         if action.dest not in cli:
             setattr(args, action.dest, _file_value(action, str(key), value, as_flag, path))
     return args
+
+
+def parse_setting(cls: type, name: str, text: str, aliases: dict[str, str]) -> tuple[str, Any]:
+    """(field name, value) of ``name=text`` (``block-size`` or ``block_size`` or an alias,
+    ``"16"``), the text converted to the field's type as its flag would convert it. An unknown
+    name is a ValueError naming the closest field."""
+    key = name.strip().lstrip("-").replace("-", "_")
+    key = aliases.get(key, key)
+    flags = {f.name: f for f in fields(cls) if "help" in f.metadata}
+    if key not in flags:
+        close = difflib.get_close_matches(key, sorted(flags), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"{name!r} is not a setting of {cls.__name__}{hint}")
+    hint_type = typing.get_type_hints(cls)[key]
+    typ, raw = _scalar_type(hint_type), text.strip()
+    if raw.lower() in ("none", "null") and type(None) in typing.get_args(hint_type):
+        return key, None
+    if typ is bool:
+        if raw.lower() not in ("true", "false", "on", "off", "1", "0"):
+            raise ValueError(f"{key}={raw!r}: expected true or false")
+        return key, raw.lower() in ("true", "on", "1")
+    try:
+        return key, typ(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}={raw!r} is not a valid {typ.__name__}") from None

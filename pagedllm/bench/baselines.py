@@ -86,6 +86,7 @@ class EngineBackend:
         stats = trace.summary()
         stats["prefix_cache_hit_rate"] = eng.kv.stats.hit_rate
         stats["num_preemptions"] = eng.num_preemptions - preempted_before
+        stats["num_steps"] = len(trace.t)  # this run's step records (`pagedllm plan` replays these)
         return RunResult(self.name, elapsed, len(reqs), sum(r.prompt_len for r in reqs), n_out,
                          n_out, outs, stats)
 

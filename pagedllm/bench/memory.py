@@ -44,10 +44,7 @@ def run_memory(
             from pagedllm.bench.probe import replay
             from pagedllm.bench.workload import engine_config
 
-            cfg = engine_config(kwargs)
-
-            trace = replay(reqs, cls, cfg.scheduler, num_blocks, cfg.cache.block_size,
-                           cfg.cache.enable_prefix_caching)
+            trace = replay(reqs, cls, engine_config(kwargs))
             elapsed, preemptions = None, trace.num_preemptions
         elif mode == "real":
             from pagedllm.bench.baselines import EngineBackend

@@ -15,9 +15,9 @@ nothing (internal fragmentation of last blocks, or a max-length reservation's un
 utilization never exceeds 1 and is conservative for paging; ``pool`` counts it once (the memory
 actually used, lower than ``reserved`` when blocks are shared).
 
-``replay`` drives a scheduler with a fake runner (every sampled token is 0): scheduling depends
-on lengths, not on token values, when outputs run to ``max_tokens`` (``ignore_eos``), so the
-trace equals the real engine's, step for step, without torch.
+``replay`` drives a scheduler through the planner's model-free replay: scheduling depends on
+lengths, not on token values, when outputs run to ``max_tokens`` (``ignore_eos``), so the trace
+equals the real engine's, step for step, without torch.
 """
 
 from __future__ import annotations
@@ -27,10 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.bench.workload import BenchRequest
-from pagedllm.config import SchedulerConfig
-from pagedllm.kv.manager import KVCacheManager
-from pagedllm.request import Request
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.config import EngineConfig
 from pagedllm.sched import Scheduler
 from pagedllm.sched.stats import StepStats
 
@@ -80,30 +77,15 @@ class StepTrace:
         }
 
 
-def replay(
-    reqs: list[BenchRequest],
-    scheduler_cls: type[Scheduler],
-    config: SchedulerConfig,
-    num_blocks: int,
-    block_size: int,
-    enable_prefix_caching: bool = True,
-) -> StepTrace:
-    """Run the workload through ``scheduler_cls`` with a fake runner; returns the step trace
-    (``t`` is the step index)."""
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-    sched = scheduler_cls(config, kv)
+def replay(reqs: list[BenchRequest], scheduler_cls: type[Scheduler],
+           config: EngineConfig) -> StepTrace:
+    """Run the workload through ``scheduler_cls`` with no model (the planner's replay,
+    ``pagedllm.planner.replay``, all requests at once); the step trace (``t`` is the step
+    index)."""
+    from pagedllm.planner.replay import replay as planner_replay
+
     trace = StepTrace()
-    for i, r in enumerate(reqs):
-        sched.add_request(Request(
-            request_id=f"r{i}", prompt_token_ids=list(r.prompt_token_ids),
-            params=SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True),
-            max_model_len=config.max_model_len, arrival_time=0.0,
-        ))
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        if out.is_empty:
-            raise RuntimeError("the scheduler made no progress; the KV pool is too small")
-        trace.add(StepStats.open(sched, out), float(len(trace.t)))
-        sched.update(out, {s.request.request_id: 0 for s in out.scheduled if s.samples})
-    trace.num_preemptions = sched.num_preemptions
+    res = planner_replay(reqs, config, scheduler_cls=scheduler_cls,
+                         on_step=lambda rec, _: trace.add(rec, float(len(trace.t))))
+    trace.num_preemptions = res.num_preemptions
     return trace

@@ -21,7 +21,7 @@ from pagedllm.bench.report import format_table, machine_info, plot, write_json
 from pagedllm.bench.workload import BenchRequest, WorkloadSpec, summarize
 
 COLUMNS = ("backend", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "elapsed_s",
-           "peak_running", "kv_utilization")
+           "peak_running", "num_preemptions", "num_steps", "kv_utilization")
 
 
 def run_throughput(
@@ -95,7 +95,7 @@ def report_throughput(res: dict[str, Any], output_dir: Path, output_json: Path |
     print(f"device {res.get('device_name') or res.get('device', 'cpu')}, dtype {dtype}")
     print(format_table(res["results"], COLUMNS,
                        ["backend", "req/s", "out tok/s", "total tok/s", "time s", "peak run",
-                        "KV util"]))
+                        "preempt", "steps", "KV util"]))
     for pair, r in res["ratios"].items():
         print(f"{pair}: output tok/s x{r['output_tokens_per_s']:.2f}, "
               f"requests/s x{r['requests_per_s']:.2f}, total tok/s x{r['total_tokens_per_s']:.2f}")

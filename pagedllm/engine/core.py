@@ -26,8 +26,8 @@ from pagedllm.request import RequestStatus
 from pagedllm.runner.model_runner import ModelRunner, RunnerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched import Scheduler, SchedulerOutput
+from pagedllm.sched.build import build_scheduler
 from pagedllm.sched.memory import KVMemoryPolicy
-from pagedllm.sched.preemption import PreemptionCost
 from pagedllm.sched.stats import StepStats
 from pagedllm.tokenizer import eos_token_ids, get_tokenizer
 
@@ -50,11 +50,10 @@ class LLMEngine:
             config.cache.kv_dtype_label(config.model), p.bytes_per_block // p.block_size,
             p.max_concurrent_full_requests, p.max_model_len,
         )
-        start = min(config.cache.initial_num_kv_blocks or p.num_blocks, p.num_blocks)
-        self.kv = KVCacheManager(start, p.block_size, config.cache.enable_prefix_caching,
-                                 num_host_blocks=config.cache.num_host_blocks(config.model))
-        self.kv.set_max_num_blocks(p.num_blocks)  # an elastic pool grows up to the budget
-        self.scheduler = scheduler_cls(config.scheduler, self.kv)
+        self.scheduler = build_scheduler(config, p, scheduler_cls)  # as the planner's replay
+        self.kv: KVCacheManager = self.scheduler.kv
+        self.memory: KVMemoryPolicy = self.scheduler.memory
+        start = self.kv.num_blocks
         self._closing = contextlib.ExitStack()  # what shutdown() closes besides the executor
         if config.cache.kv_trace_path is not None:
             from pagedllm.kv.trace import KVTracer, attach
@@ -63,9 +62,6 @@ class LLMEngine:
             tracer = KVTracer(config.cache.kv_trace_path, clock=lambda: sched.num_steps)
             attach(self.kv, tracer)
             self._closing.callback(tracer.close)
-        self.scheduler.cost_model = preemption_cost(config, p.bytes_per_block)
-        self.memory = self.scheduler.memory = KVMemoryPolicy(
-            self.kv, config.cache, config.scheduler.max_num_batched_tokens)
         executor.init_kv_cache(start)
         self.executor: Executor = executor
         self.input = InputProcessor(config, self.tokenizer, self.eos_token_ids)
@@ -290,16 +286,3 @@ def _profiled_budget(config: EngineConfig, executor: Executor) -> int | None:
         config.gpu_memory_utilization,
     )
     return measured
-
-
-def preemption_cost(config: EngineConfig, bytes_per_block: int) -> PreemptionCost:
-    """Rough per-victim costs for preemption_mode="auto": 2 FLOPs per weight per token against
-    host<->device bandwidth (assumed throughputs: CPU 5e10 FLOP/s and 5e9 B/s; CUDA 5e13 FLOP/s
-    and 1.2e10 B/s over PCIe)."""
-    m = config.model
-    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
-    per_layer = m.hidden_size * (2 * q + 2 * kv) + 3 * m.hidden_size * m.intermediate_size
-    params = m.num_hidden_layers * per_layer + m.vocab_size * m.hidden_size
-    cuda = config.is_cuda
-    return PreemptionCost(2.0 * params, float(bytes_per_block), 5e13 if cuda else 5e10,
-                          1.2e10 if cuda else 5e9)

@@ -52,28 +52,6 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_plan(a: argparse.Namespace) -> int:
-    from pagedllm.kv.plan import plan_kv_pool
-
-    cfg = EngineArgs.from_cli(a).create_engine_config()
-    plan = plan_kv_pool(cfg.model, cfg.cache, cfg.scheduler)
-    m = cfg.model
-    print(f"model            {m.model} ({m.architecture}, {m.num_hidden_layers} layers, "
-          f"{m.num_attention_heads} q heads / {m.num_key_value_heads} kv heads, head_dim {m.head_dim}, {m.dtype})")
-    c = cfg.cache
-    print(f"KV per token     {c.kv_bytes_per_token(m)} bytes ({c.kv_dtype_label(m)}; "
-          f"{m.kv_bytes_per_token} at {m.dtype})")
-    print(f"block            {plan.block_size} tokens = {plan.bytes_per_block} bytes")
-    print(f"pool             {plan.num_blocks} blocks = {plan.num_tokens} tokens = {plan.nbytes / 2**20:.1f} MiB")
-    print(f"max_model_len    {plan.max_model_len} -> {plan.max_concurrent_full_requests} full-length requests fit at once")
-    if cfg.is_cuda and c.kv_cache_memory is None and c.num_kv_blocks is None:
-        print(f"note             on {cfg.device} the engine sizes the pool at start-up from "
-              f"--gpu-memory-utilization={cfg.gpu_memory_utilization} and a memory profile; "
-              f"the figures above use the CPU default budget; pass --kv-cache-memory to plan "
-              f"a GPU pool")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgParser(prog="pagedllm", description="LLM inference on a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,16 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(g)
     g.set_defaults(func=cmd_generate)
 
-    pl = sub.add_parser("plan", help="size the KV pool for a model and budget without loading weights")
-    EngineArgs.add_cli_args(pl)
-    pl.set_defaults(func=cmd_plan)
-
-    # Subcommands that live beside their feature (server, bench) register themselves; each
-    # module exposes register(subparsers) and imports heavy deps lazily.
+    # Subcommands that live beside their feature (planner, server, bench) register themselves;
+    # each module exposes register(subparsers) and imports heavy deps lazily.
     from pagedllm.bench import cli as bench_cli
+    from pagedllm.planner import cli as planner_cli
     from pagedllm.server import cli as server_cli
 
-    for module in (server_cli, bench_cli):
+    for module in (planner_cli, server_cli, bench_cli):
         module.register(sub)
     parser.epilog = f"default model: {default_model_path()}"
     return parser

@@ -8,6 +8,10 @@ estimate ``preemption_mode="auto"`` compares. The queue moves are the scheduler'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,19 @@ class PreemptionCost:
     bytes_per_block: float = 2**17
     flops_per_s: float = 5e10
     bytes_per_s: float = 5e9
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig, bytes_per_block: int) -> PreemptionCost:
+        """The engine's estimate: 2 FLOPs per weight per token against host<->device bandwidth
+        (assumed throughputs: CPU 5e10 FLOP/s and 5e9 B/s; CUDA 5e13 FLOP/s and 1.2e10 B/s over
+        PCIe)."""
+        m = config.model
+        q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+        per_layer = m.hidden_size * (2 * q + 2 * kv) + 3 * m.hidden_size * m.intermediate_size
+        params = m.num_hidden_layers * per_layer + m.vocab_size * m.hidden_size
+        cuda = config.is_cuda
+        return cls(2.0 * params, float(bytes_per_block), 5e13 if cuda else 5e10,
+                   1.2e10 if cuda else 5e9)
 
     def recompute_s(self, num_tokens: int) -> float:
         return self.flops_per_token * num_tokens / self.flops_per_s

@@ -19,11 +19,11 @@ from pagedllm.bench.report import format_table, percentiles
 from pagedllm.bench.workload import (
     BenchRequest,
     WorkloadSpec,
+    engine_config,
     load_trace,
     make_workload,
     poisson_arrivals,
 )
-from pagedllm.config import SchedulerConfig
 from pagedllm.entrypoints.cli import main
 from pagedllm.sched import Scheduler
 
@@ -141,12 +141,13 @@ def test_contiguous_greedy_outputs_equal_paged(model: Path) -> None:
     assert cont.stats["peak_running"] == 2
 
 
-def test_memory_replay_paged_admits_more() -> None:
+def test_memory_replay_paged_admits_more(model: Path) -> None:
     reqs = _reqs(16)
-    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=MML)
     nb = 4 * MML // 4  # four full reservations
-    paged = replay(reqs, Scheduler, cfg, nb, 4)
-    cont = replay(reqs, ContiguousScheduler, cfg, nb, 4)
+    cfg = engine_config({**_engine_kwargs(model), "max_num_seqs": 16,
+                         "max_num_batched_tokens": 256, "num_kv_blocks": nb})
+    paged = replay(reqs, Scheduler, cfg)
+    cont = replay(reqs, ContiguousScheduler, cfg)
     assert cont.summary()["peak_running"] == 4
     # paged: the 16 requests' real lengths (232 tokens) fit the 256-token pool all at once
     assert paged.summary()["peak_running"] == 16

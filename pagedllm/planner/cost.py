@@ -1,0 +1,182 @@
+"""The step-cost model: how long one engine step takes, from what the scheduler put in it.
+
+A step's wall time (``LLMEngine.step()``: schedule, prepare, forward, sample, update, outputs) is
+modelled from four numbers of its stats record (``StepStats``, ``step_features``)::
+
+    tokens             T  new tokens in the step
+    seqs               S  requests in the step
+    decode_context     D  sum of the context lengths of its 1-token (decode) requests
+    prefill_attention  A  sum over its multi-token chunks of n * (start + (n + 1) / 2): the
+                          query x key pairs of causal attention over n new tokens after
+                          ``start`` cached ones
+
+    step_s = dense(T) + per_seq * S + per_decode_context * D + per_prefill_pair * A
+
+``dense(T)`` (linear layers, norms, the fixed cost of a step) is a table of seconds at a few token
+counts (``knots``), interpolated linearly between them and extrapolated from the last two: on a
+CPU a matmul over 1 row and over 4 rows take very different paths, so no straight line fits both
+small decode batches and long prefill chunks. ``per_seq`` covers per-request work (batch
+building, the LM head row, sampling, per-request attention set-up), the two attention terms the
+work that grows with context.
+
+Every term is linear in its coefficient (the interpolation weights of T are fixed), so ``fit``
+is a least-squares problem: minimise the *relative* error over timed steps (they range from a
+millisecond to seconds; each should be predicted to a percentage), every coefficient >= 0 (an
+active-set loop pins a negative one to zero and refits). Pure Python; ten unknowns are a 10x10
+solve.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagedllm.sched.stats import StepStats
+
+Features = tuple[float, float, float, float]  # (tokens, seqs, decode_context, prefill_attention)
+LINEAR_TERMS = ("per_seq_s", "per_decode_context_s", "per_prefill_pair_s")
+
+
+def step_features(stats: StepStats) -> Features:
+    """(T, S, D, A) of a step, from its record (``StepStats.open`` right after ``schedule()``)."""
+    return (float(stats.num_scheduled_tokens), float(stats.num_scheduled_requests),
+            float(stats.decode_context_tokens), stats.prefill_attention_pairs)
+
+
+def default_knots(max_tokens: int) -> tuple[int, ...]:
+    """Token counts 1, 4, 16, 64, ... below ``max_tokens`` (a step's token budget), and it."""
+    knots = [k for k in (1, 4, 16, 64, 256, 1024, 4096, 16384) if k < max_tokens]
+    return (*knots, max_tokens)
+
+
+def _hat(knots: Sequence[int], t: float) -> list[float]:
+    """Weights of the knot values whose sum is the piecewise-linear interpolation at ``t``
+    (beyond the ends: the nearest segment extended)."""
+    w = [0.0] * len(knots)
+    if len(knots) == 1:
+        w[0] = t / knots[0]  # one knot: a line through the origin
+        return w
+    j = min(max(bisect.bisect_right(knots, t) - 1, 0), len(knots) - 2)
+    lo, hi = knots[j], knots[j + 1]
+    x = (t - lo) / (hi - lo)
+    w[j], w[j + 1] = 1.0 - x, x
+    return w
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """``dense_s[i]``: seconds of the dense part of a step of ``knots[i]`` tokens; the linear
+    terms in seconds per unit (module docstring)."""
+
+    knots: tuple[int, ...]
+    dense_s: tuple[float, ...]
+    per_seq_s: float = 0.0
+    per_decode_context_s: float = 0.0
+    per_prefill_pair_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.knots or list(self.knots) != sorted(set(self.knots)) or self.knots[0] < 1:
+            raise ValueError(f"knots={self.knots} must be increasing token counts >= 1")
+        if len(self.dense_s) != len(self.knots):
+            raise ValueError(f"dense_s has {len(self.dense_s)} values for {len(self.knots)} knots")
+
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        return (*self.dense_s, self.per_seq_s, self.per_decode_context_s, self.per_prefill_pair_s)
+
+    def predict(self, f: Features) -> float:
+        return sum(c * x for c, x in zip(self.coefficients, design_row(self.knots, f)))
+
+    def as_dict(self) -> dict[str, object]:
+        return {"knots": list(self.knots), "dense_s": list(self.dense_s),
+                **{k: getattr(self, k) for k in LINEAR_TERMS}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> StepCostModel:
+        try:
+            return cls(tuple(int(k) for k in d["knots"]),  # type: ignore[attr-defined]
+                       tuple(float(v) for v in d["dense_s"]),  # type: ignore[attr-defined]
+                       **{k: float(d[k]) for k in LINEAR_TERMS})  # type: ignore[arg-type]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"a step-cost model needs knots, dense_s and "
+                             f"{', '.join(LINEAR_TERMS)}: {e}") from None
+
+
+def design_row(knots: Sequence[int], f: Features) -> list[float]:
+    tokens, seqs, dctx, pairs = f
+    return [*_hat(knots, tokens), seqs, dctx, pairs]
+
+
+def fit(samples: Sequence[tuple[Features, float]], knots: Sequence[int]) -> StepCostModel:
+    """Non-negative least squares on relative error: minimise sum ((pred - t) / t)^2 over
+    ``(features, seconds)`` samples, every coefficient >= 0. Knots no sample comes near (and
+    terms no sample has) get 0."""
+    rows = [(design_row(knots, f), t) for f, t in samples if t > 0]
+    if not rows:
+        raise ValueError("no timed steps to fit a step-cost model to")
+    k = len(knots) + len(LINEAR_TERMS)
+    active = [j for j in range(k) if any(r[j] for r, _ in rows)]
+    while True:
+        coef = _weighted_lstsq(rows, active, k)
+        neg = [j for j in active if coef[j] < 0]
+        if not neg:
+            break
+        active.remove(min(neg, key=lambda j: coef[j]))
+    n = len(knots)
+    return StepCostModel(tuple(knots), tuple(coef[:n]), *coef[n:])
+
+
+def _weighted_lstsq(rows: list[tuple[list[float], float]], active: list[int],
+                    k: int) -> list[float]:
+    """Least squares over the ``active`` columns of rows scaled by 1/t (relative error); the
+    columns are normalised first so that features in the millions do not swamp the solve."""
+    scale = [max(abs(r[j]) / t for r, t in rows) or 1.0 for j in active]
+    m = len(active)
+    ata = [[0.0] * m for _ in range(m)]
+    atb = [0.0] * m
+    for r, t in rows:
+        x = [r[j] / t / scale[a] for a, j in enumerate(active)]  # target: t / t = 1
+        for a in range(m):
+            atb[a] += x[a]
+            for b in range(m):
+                ata[a][b] += x[a] * x[b]
+    sol = _solve(ata, atb)
+    coef = [0.0] * k
+    for a, j in enumerate(active):
+        coef[j] = sol[a] / scale[a]
+    return coef
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting; a tiny ridge keeps collinear columns finite."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for i in range(n):
+        m[i][i] += 1e-9 * (1.0 + abs(m[i][i]))
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        m[c], m[p] = m[p], m[c]
+        if m[c][c] == 0.0:
+            continue
+        for r in range(c + 1, n):
+            q = m[r][c] / m[c][c]
+            for j in range(c, n + 1):
+                m[r][j] -= q * m[c][j]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        if m[r][r] != 0.0:
+            x[r] = (m[r][n] - sum(m[r][j] * x[j] for j in range(r + 1, n))) / m[r][r]
+    return x
+
+
+def relative_errors(model: StepCostModel,
+                    samples: Sequence[tuple[Features, float]]) -> list[float]:
+    """|pred - t| / t per sample."""
+    return [abs(model.predict(f) - t) / t for f, t in samples if t > 0]
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else math.nan
