@@ -14,13 +14,13 @@ from pagedllm.args import EngineArgs
 
 PLAN_COLUMNS = (
     ("num_kv_blocks", "KV blocks"), ("output_tokens_per_s", "out tok/s"),
-    ("requests_per_s", "req/s"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p90_ms", "p90"),
-    ("ttft_p99_ms", "p99"), ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p90_ms", "p90"),
+    ("requests_per_s", "req/s"), ("ttft_p50_s", "TTFT p50 s"), ("ttft_p90_s", "p90"),
+    ("ttft_p99_s", "p99"), ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p90_ms", "p90"),
     ("tpot_p99_ms", "p99"), ("peak_running", "peak run"), ("num_preemptions", "preempt"),
     ("num_steps", "steps"), ("kv_utilization", "KV util"), ("mean_pool_usage", "pool use"),
     ("prefix_cache_hit_rate", "hit rate"),
 )
-TIMED = {"output_tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
+TIMED = {"output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
          "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms"}
 
 
@@ -210,7 +210,7 @@ def _arrivals(a: argparse.Namespace, reqs: list[Any]) -> str:
 def _display(r: dict[str, Any]) -> dict[str, Any]:
     d = dict(r)
     for k in list(r):
-        if k.endswith("_s") and (k.startswith("ttft_") or k.startswith("tpot_")):
+        if k.endswith("_s") and k.startswith("tpot_"):
             d[k[:-2] + "_ms"] = r[k] * 1e3
     if "meets_slo" in r:
         d["meets_slo"] = "yes" if r["meets_slo"] else "no"

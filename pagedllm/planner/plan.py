@@ -49,9 +49,10 @@ class Planner:
             if slo.active:
                 s["meets_slo"] = slo.met(s)
             if search_rate:
-                best, at = find_max_rate(lambda r: self.run(a, r)[1], slo,
-                                         self.run(a, math.inf)[1]["requests_per_s"])
+                capacity = self.run(a, math.inf)[1]["requests_per_s"]
+                best, at = find_max_rate(lambda r: self.run(a, r)[1], slo, capacity)
                 s["max_rate_rps"] = best
+                s["max_rate_is_capacity"] = best == capacity  # the search's ceiling
                 if at is not None:
                     s["at_max_rate"] = {k: at[k] for k in ("ttft_p99_s", "tpot_p99_s",
                                                             "output_tokens_per_s")}
