@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pagedllm import _openmp  # noqa: F401 - before anything imports torch (see that module)
+
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "__version__"]
 
