@@ -1,5 +1,5 @@
 """The systems a workload runs on: pagedllm's engine (paged or contiguous policy), HF
-transformers ``generate`` with static batches, and vLLM when it is installed.
+transformers ``generate`` with static batches, and vLLM in a Python of its own (vllm_backend.py).
 
 Each backend runs a whole workload offline (every request submitted at time 0, greedy,
 ``ignore_eos``) and returns a ``RunResult``; the caller times repetitions and interleaves them.
@@ -32,12 +32,6 @@ class RunResult:
     generated_tokens: int  # tokens the backend computed, incl. waste (HF static-batch tails)
     outputs: list[list[int]] = field(default_factory=list, repr=False)
     stats: dict[str, Any] = field(default_factory=dict)
-
-
-def vllm_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
 
 
 class EngineBackend:
@@ -149,32 +143,8 @@ class HFBackend:
                           "dtype": self.dtype})
 
 
-class VllmBackend:
-    """vLLM's offline ``LLM`` (only when the ``vllm`` package is importable)."""
-
-    def __init__(self, model: str, engine_kwargs: dict[str, Any]) -> None:
-        from vllm import LLM
-
-        self.name = "vllm"
-        kw = {k: engine_kwargs[k] for k in ("max_num_seqs", "max_model_len", "block_size",
-                                              "seed") if engine_kwargs.get(k) is not None}
-        self.llm = LLM(model=model, **kw)
-
-    def run(self, reqs: list[BenchRequest]) -> RunResult:
-        from vllm import SamplingParams
-
-        params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
-                  for r in reqs]
-        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
-        t0 = time.perf_counter()
-        res = self.llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
-        outs = [list(o.outputs[0].token_ids) for o in res]
-        n = sum(len(o) for o in outs)
-        return RunResult(self.name, elapsed, len(reqs), sum(r.prompt_len for r in reqs), n, n, outs)
-
-
 def make_backend(name: str, engine_kwargs: dict[str, Any], hf_batch_size: int) -> Any:
+    """Every backend but vllm (``vllm_backend.make_vllm_backend``)."""
     from pagedllm.config import default_model_path
 
     model = engine_kwargs.get("model") or default_model_path()
@@ -185,8 +155,4 @@ def make_backend(name: str, engine_kwargs: dict[str, Any], hf_batch_size: int) -
     if name == "hf":
         return HFBackend(model, hf_batch_size, engine_kwargs.get("dtype") or "auto",
                          engine_kwargs.get("device") or "cpu")
-    if name == "vllm":
-        if not vllm_available():
-            raise ValueError("backend 'vllm' needs the vllm package; pip install vllm")
-        return VllmBackend(model, engine_kwargs)
     raise ValueError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")

@@ -1,4 +1,4 @@
-"""``pagedllm bench throughput | prefix | memory | block-size | kernel | serve | random-model``.
+"""``pagedllm bench throughput | prefix | memory | block-size | linear | kernel | serve | random-model``.
 
 Registered by ``pagedllm.entrypoints.cli``; everything heavy is imported inside the command functions.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,14 @@ def register(subparsers: Any) -> None:
                        "--device cuda --dtype bfloat16.")
     p.add_argument("--backends", default=None,
                    help="comma-separated: pagedllm, hf, contiguous, vllm (default: the first "
-                   "three, plus vllm when the vllm package is importable)")
+                   "three, plus vllm when a vLLM Python is known: --vllm-python, "
+                   "$PAGEDLLM_VLLM_PYTHON, or this one if it imports vllm)")
+    p.add_argument("--vllm-python", default=None,
+                   help="the Python of a venv with vllm installed (its own torch); the vllm "
+                   "backend runs there in a subprocess (default: $PAGEDLLM_VLLM_PYTHON)")
+    p.add_argument("--vllm-kwargs", type=json.loads, default=None,
+                   help="JSON object of extra vllm.LLM arguments, e.g. '{\"max_num_seqs\": 64}' "
+                   "(default: vLLM's own defaults; dtype and max_model_len follow the engine)")
     p.add_argument("--reps", type=int, default=3, help="repetitions per backend (the fastest is reported)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="HF generate static batch size")
     p.add_argument("--warmup", type=int, default=4, help="requests in each backend's warm-up run")

@@ -30,6 +30,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 12 x (attention 1.57M + MLP 5.90M) + 2 x 4096 x 768 embeddings ~= 96M with a 4096 vocab
     "100m": dict(hidden_size=768, intermediate_size=2560, num_hidden_layers=12,
                  num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024),
+    # the two shapes of the CPU comparison with vLLM (README "Performance"): a 32k vocabulary
+    # (larger than the shipped tokenizer's 4096; ids past it decode to nothing) makes the LM head
+    # a real share of the work. 12 x (1.57M + 4.72M) + 2 x 32000 x 768 ~= 125M
+    "125m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024,
+                 vocab_size=32000),
+    # 4 x (0.20M + 0.49M) + 2 x 4096 x 256 ~= 4.9M
+    "5m": dict(hidden_size=256, intermediate_size=640, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
 }
@@ -74,12 +83,11 @@ def build_random_model(out: str | Path, preset: str = "100m", tokenizer: str | N
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = LlamaConfig(
-        vocab_size=len(tok),
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
-        **{**PRESETS[preset], **overrides},
+        **{"vocab_size": len(tok), **PRESETS[preset], **overrides},  # a preset may set vocab
     )
     torch.manual_seed(seed)
     prev = torch.get_default_dtype()

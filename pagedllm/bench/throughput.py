@@ -18,6 +18,7 @@ from pagedllm.bench.baselines import make_backend
 from pagedllm.bench.device import device_name
 from pagedllm.bench.harness import interleaved, timing
 from pagedllm.bench.report import format_table, machine_info, plot, write_json
+from pagedllm.bench.vllm_backend import make_vllm_backend
 from pagedllm.bench.workload import BenchRequest, WorkloadSpec, summarize
 
 COLUMNS = ("backend", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "elapsed_s",
@@ -32,8 +33,11 @@ def run_throughput(
     reps: int = 3,
     hf_batch_size: int = 16,
     warmup: int = 4,
+    vllm_python: str | None = None,
+    vllm_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    built = [make_backend(b, engine_kwargs, hf_batch_size) for b in backends]
+    built = [make_vllm_backend(engine_kwargs, vllm_python, vllm_kwargs) if b == "vllm"
+             else make_backend(b, engine_kwargs, hf_batch_size) for b in backends]
     warm = (lambda b: b.run(reqs[:warmup])) if warmup else None
     runs = dict(zip(backends, interleaved(built, lambda b: b.run(reqs), reps, warm)))
 

@@ -1,0 +1,144 @@
+"""vLLM as a ``bench throughput`` backend, run in a Python of its own (``--vllm-python``).
+
+vLLM pins its own torch and transformers, so it is installed in a separate virtual environment
+(README "Performance" says how) and driven through ``vllm_worker.py``, a script that process
+runs; see that file for the protocol. The backend hands vLLM the same model directory, the
+dtype and ``max_model_len`` the engine resolves, the workload's prompt token ids, greedy
+sampling with ``ignore_eos``; everything else stays at vLLM's defaults unless
+``--vllm-kwargs`` names it. Model load and compilation happen once, before any timed run.
+
+Threads and KV memory on CPU are vLLM environment variables, set here unless the caller's
+environment already has them: ``VLLM_CPU_OMP_THREADS_BIND`` to as many cores as pagedllm's
+torch uses (``--threads``, else torch's default), ``VLLM_CPU_KVCACHE_SPACE`` to
+``--kv-cache-memory`` in whole GiB, rounded up (vLLM takes no fraction; 4 when not given: vLLM's own default, a fraction of all memory,
+refuses to start on a machine other processes use). The OpenMP wait policy pagedllm picks for
+itself (pagedllm/_openmp.py) is not passed on: vLLM sees the user's environment. vLLM's log goes
+to a file named in the result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from pagedllm import _openmp
+from pagedllm.bench.baselines import RunResult
+from pagedllm.bench.workload import BenchRequest
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+
+
+def find_vllm_python(explicit: str | None = None) -> str | None:
+    """``explicit``, else ``$PAGEDLLM_VLLM_PYTHON``, else this Python when it can import vllm."""
+    import importlib.util
+
+    if explicit or os.environ.get("PAGEDLLM_VLLM_PYTHON"):
+        return explicit or os.environ["PAGEDLLM_VLLM_PYTHON"]
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+def cpu_bind(num_threads: int, cpus: Sequence[int] | None = None) -> str:
+    """The first ``num_threads`` CPUs this process may run on, as vLLM's bind list ('0-1,4')."""
+    ids = sorted(cpus if cpus is not None else os.sched_getaffinity(0))[:num_threads]
+    parts: list[str] = []
+    start = prev = ids[0]
+    for c in [*ids[1:], None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if c is not None:
+            start = prev = c
+    return ",".join(parts)
+
+
+def make_vllm_backend(engine_kwargs: dict[str, Any], python: str | None,
+                      llm_kwargs: dict[str, Any] | None = None) -> VllmBackend:
+    found = find_vllm_python(python)
+    if found is None:
+        raise ValueError("backend 'vllm' needs a Python with vllm installed: pass --vllm-python "
+                         "PATH (or set PAGEDLLM_VLLM_PYTHON); README 'Performance' says how to "
+                         "make that venv")
+    return VllmBackend(engine_kwargs, found, llm_kwargs)
+
+
+class VllmBackend:
+    def __init__(self, engine_kwargs: dict[str, Any], python: str,
+                 llm_kwargs: dict[str, Any] | None = None) -> None:
+        import torch
+
+        from pagedllm.bench.workload import engine_config
+
+        cfg = engine_config(engine_kwargs)
+        self.name = "vllm"
+        kwargs = {"dtype": cfg.model.dtype, "max_model_len": cfg.scheduler.max_model_len,
+                  "seed": cfg.seed, **(llm_kwargs or {})}
+        env = dict(os.environ)
+        if _openmp.SET_BY_PAGEDLLM:  # vLLM runs at the user's OpenMP settings, not pagedllm's
+            env.pop("OMP_WAIT_POLICY")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(torch.get_num_threads()))
+        kv = cfg.cache.kv_cache_memory
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(4 if kv is None else -(-kv // 2**30)))
+        self.log = Path(tempfile.mkstemp(prefix="pagedllm-vllm-", suffix=".log")[1])
+        self._log_file = self.log.open("w")
+        try:
+            self.proc = subprocess.Popen(
+                [python, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=self._log_file, env=env, text=True,
+            )
+        except OSError as e:
+            self._log_file.close()
+            raise ValueError(f"--vllm-python {python}: cannot run it ({e.strerror}); name the "
+                             f"python of a venv with vllm installed") from e
+        weakref.finalize(self, _stop, self.proc, self._log_file)
+        self.info: dict[str, Any] = self._call({"cmd": "init", "model": cfg.model.model,
+                                                "llm_kwargs": kwargs})["info"]
+
+    def run(self, reqs: list[BenchRequest]) -> RunResult:
+        res = self._call({"cmd": "run",
+                          "requests": [[r.prompt_token_ids, r.max_tokens] for r in reqs]})
+        outs: list[list[int]] = res["outputs"]
+        n = sum(len(o) for o in outs)
+        return RunResult(self.name, res["elapsed_s"], len(reqs), sum(r.prompt_len for r in reqs),
+                         n, n, outs, {**self.info, "log": str(self.log)})
+
+    def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(json.dumps(msg) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            raise RuntimeError(f"the vLLM process (--vllm-python) exited during {msg['cmd']!r}; "
+                               f"its log {self.log} ends with:\n{_tail(self.log)}")
+        reply: dict[str, Any] = json.loads(line)
+        if not reply.get("ok"):
+            raise RuntimeError(f"vLLM failed during {msg['cmd']!r} (log: {self.log}):\n"
+                               f"{reply.get('error')}")
+        return reply
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _stop(proc: subprocess.Popen[str], log_file: IO[str]) -> None:
+    if proc.poll() is None:
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write('{"cmd": "exit"}\n')
+            proc.stdin.close()
+            proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+    log_file.close()

@@ -1,0 +1,124 @@
+"""The vllm backend of ``bench throughput``: vLLM runs in a Python of its own, over a pipe.
+
+The plumbing (protocol, settings handed over, timing, errors, shutdown) is tested against a
+stand-in ``vllm`` package on this Python; the real comparison runs when a vLLM Python is named
+by ``$PAGEDLLM_VLLM_PYTHON`` (README "Performance" says how to make one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pagedllm.bench.throughput import run_throughput
+from pagedllm.bench.vllm_backend import VllmBackend, cpu_bind, make_vllm_backend
+from pagedllm.bench.workload import build_workload
+from pagedllm.cli import main
+
+STAND_IN = '''
+import json, os
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+class _Out:
+    def __init__(self, ids):
+        self.token_ids = ids
+class _Res:
+    def __init__(self, ids):
+        self.outputs = [_Out(ids)]
+class LLM:
+    def __init__(self, model, **kw):
+        if "broken" in model:
+            raise ValueError("stand-in cannot load " + model)
+        self.kw = kw
+        print("stand-in vllm log line")  # must not reach the protocol stream
+    def reset_prefix_cache(self):
+        pass
+    def generate(self, prompts, params, use_tqdm=True):
+        assert all(p.kw == {"temperature": 0.0, "max_tokens": p.kw["max_tokens"],
+                            "ignore_eos": True} for p in params)
+        return [_Res([sum(p["prompt_token_ids"]) % 97 + i for i in range(s.kw["max_tokens"])])
+                for p, s in zip(prompts, params)]
+__version__ = "0.0-stand-in"
+'''
+
+
+@pytest.fixture()
+def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(textwrap.dedent(STAND_IN))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(k, raising=False)
+    return sys.executable
+
+
+def _kwargs(model: Path, **kw: object) -> dict:
+    return dict(model=str(model), max_model_len=64, block_size=4, **kw)
+
+
+def test_stand_in_runs_the_workload_with_the_engine_settings(stand_in: str,
+                                                              tiny_models: dict[str, Path]) -> None:
+    kw = _kwargs(tiny_models["llama"], kv_cache_memory="512MiB")
+    spec, reqs, _ = build_workload(kw, dict(num_prompts=5, prompt_median=8, output_median=6))
+    res = run_throughput(reqs, spec, kw, ["pagedllm", "vllm"], reps=2, warmup=1,
+                         vllm_python=stand_in, vllm_kwargs={"max_num_seqs": 4})
+    row = {r["backend"]: r for r in res["results"]}["vllm"]
+    assert row["output_tokens"] == sum(r.max_tokens for r in reqs) and row["elapsed_s"] > 0
+    assert len(row["elapsed_s_all"]) == 2
+    assert row["llm_kwargs"] == {"dtype": "float32", "max_model_len": 64, "seed": 0,
+                                 "max_num_seqs": 4}
+    assert row["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"  # whole GiB, rounded up
+    assert row["env"]["VLLM_CPU_OMP_THREADS_BIND"] == cpu_bind(__import__("torch").get_num_threads())
+    assert "stand-in vllm log line" in Path(row["log"]).read_text()
+    assert "pagedllm/vllm" in res["ratios"]
+    assert 0.0 <= res["greedy_output_agreement"]["pagedllm/vllm"] <= 1.0
+
+
+def test_errors_name_the_flag_and_show_vllms_message(stand_in: str, tmp_path: Path,
+                                                     tiny_models: dict[str, Path],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    for f in tiny_models["llama"].iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(RuntimeError, match="stand-in cannot load"):
+        make_vllm_backend(_kwargs(broken), stand_in)
+    with pytest.raises(ValueError, match="--vllm-python .*no-such-python"):
+        VllmBackend(_kwargs(tiny_models["llama"]), str(tmp_path / "no-such-python"))
+    quits = tmp_path / "quits"
+    quits.write_text("#!/bin/sh\necho no vllm here >&2\n")
+    quits.chmod(0o755)
+    with pytest.raises(RuntimeError, match="exited during 'init'.*\n.*no vllm here"):
+        VllmBackend(_kwargs(tiny_models["llama"]), str(quits))
+    monkeypatch.delenv("PAGEDLLM_VLLM_PYTHON", raising=False)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="--vllm-python"):
+        make_vllm_backend(_kwargs(tiny_models["llama"]), None)
+
+
+def test_cpu_bind_lists_the_first_cpus_as_ranges() -> None:
+    assert cpu_bind(2, [0, 1, 2, 3]) == "0-1"
+    assert cpu_bind(4, [5, 0, 1, 7, 3]) == "0-1,3,5"
+    assert cpu_bind(1, [4, 6]) == "4"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("PAGEDLLM_VLLM_PYTHON"),
+                    reason="no vLLM Python: set PAGEDLLM_VLLM_PYTHON to a venv's python with "
+                    "vllm installed (README 'Performance')")
+def test_real_vllm_matches_pagedllm_greedy(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--backends", "pagedllm,vllm", "--model",
+                 str(tiny_models["llama"]), "--dtype", "float32", "--max-model-len", "128",
+                 "--num-prompts", "6", "--prompt-median", "12", "--output-median", "10",
+                 "--reps", "1", "--warmup", "2", "--kv-cache-memory", "1GiB",
+                 "--output-dir", str(tmp_path), "--output-json", str(out), "--no-plot"]) == 0
+    res = json.loads(out.read_text())
+    row = {r["backend"]: r for r in res["results"]}["vllm"]
+    assert row["vllm_version"] and row["output_tokens"] == res["workload"]["output_tokens"]
+    assert res["greedy_output_agreement"]["pagedllm/vllm"] == 1.0
