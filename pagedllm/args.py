@@ -15,6 +15,7 @@ from typing import Any
 
 from pagedllm.config import (
     DTYPE_NAMES,
+    LINEAR_BACKENDS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -68,6 +69,9 @@ class EngineArgs:
         _E.gpu_memory_utilization, "CUDA: fraction of GPU memory for weights + activations + KV "
         "pool, when --kv-cache-memory / --num-kv-blocks are not given")
     enforce_eager: bool = setting(_E.enforce_eager, "CUDA: no CUDA graphs; every step runs eagerly")
+    linear_backend: str = setting(
+        _E.linear_backend, "CPU: auto = linear layers on oneDNN with weights packed at load "
+        "where it runs the dtype, torch = F.linear", choices=LINEAR_BACKENDS)
     tensor_parallel_size: int = setting(
         _P.tensor_parallel_size, "shard the model over N ranks (worker processes; CPU/gloo)", "-tp")
     distributed_executor_backend: str = setting(
@@ -177,6 +181,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager,
+            linear_backend=self.linear_backend,
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
         )
 

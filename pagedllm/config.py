@@ -328,6 +328,9 @@ class ParallelConfig:
             raise ValueError(f"timeout_s={self.timeout_s} must be > 0")
 
 
+LINEAR_BACKENDS = ("auto", "torch")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -343,6 +346,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # CUDA only: run every step eagerly instead of replaying CUDA graphs for decode batches.
     enforce_eager: bool = False
+    # CPU: "auto" runs linear layers on oneDNN with packed weights where it can (float32, and
+    # bfloat16 on CPUs with it; layers/linear.py), "torch" always on F.linear.
+    linear_backend: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
@@ -350,6 +356,9 @@ class EngineConfig:
         dev = self.device
         if not (dev == "cpu" or dev == "cuda" or re.fullmatch(r"cuda:\d+", dev)):
             raise ValueError(f"device={dev!r} must be 'cpu', 'cuda' or 'cuda:N'")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend={self.linear_backend!r}: choose "
+                             f"{' or '.join(LINEAR_BACKENDS)} (--linear-backend)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"

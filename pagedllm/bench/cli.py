@@ -102,20 +102,22 @@ def register(subparsers: Any) -> None:
     EngineArgs.add_cli_args(p)
 
     def cmd_throughput(a: argparse.Namespace) -> int:
-        from pagedllm.bench.baselines import BACKENDS, vllm_available
+        from pagedllm.bench.baselines import BACKENDS
         from pagedllm.bench.throughput import report_throughput, run_throughput
+        from pagedllm.bench.vllm_backend import find_vllm_python
         from pagedllm.bench.workload import build_workload
 
         _setup(a)
         if a.backends is None:
-            a.backends = "pagedllm,hf,contiguous" + (",vllm" if vllm_available() else "")
+            a.backends = "pagedllm,hf,contiguous" + (",vllm" if find_vllm_python(a.vllm_python) else "")
         names = [b.strip() for b in a.backends.split(",") if b.strip()]
         bad = [b for b in names if b not in BACKENDS]
         if bad or not names or len(set(names)) != len(names):
             raise ValueError(f"--backends {a.backends!r}: choose distinct names from {', '.join(BACKENDS)}")
         kw = engine_kwargs(a)
         spec, reqs, _ = build_workload(kw, _spec_kwargs(a, a.seed))
-        res = run_throughput(reqs, spec, kw, names, a.reps, a.hf_batch_size, a.warmup)
+        res = run_throughput(reqs, spec, kw, names, a.reps, a.hf_batch_size, a.warmup,
+                             a.vllm_python, a.vllm_kwargs)
         _show(report_throughput(res, a.output_dir, a.output_json, a.plot))
         return 0
 
@@ -196,6 +198,26 @@ def register(subparsers: Any) -> None:
         return 0
 
     p.set_defaults(func=cmd_block_size)
+
+    # -- linear layers ------------------------------------------------------------------------
+    p = sub.add_parser("linear", help="time in the engine's linear layers vs the GEMM rate "
+                       "oneDNN reaches alone on the same shapes")
+    p.add_argument("--warmup", type=int, default=4, help="requests in the warm-up run")
+    _workload_args(p, 16)
+    _common(p)
+    EngineArgs.add_cli_args(p)
+
+    def cmd_linear(a: argparse.Namespace) -> int:
+        from pagedllm.bench.linear import report_linear, run_linear
+        from pagedllm.bench.workload import build_workload
+
+        _setup(a)
+        kw = engine_kwargs(a)
+        spec, reqs, _ = build_workload(kw, _spec_kwargs(a, a.seed))
+        _show(report_linear(run_linear(reqs, spec, kw, a.warmup), a.output_dir, a.output_json))
+        return 0
+
+    p.set_defaults(func=cmd_linear)
 
     # -- kernel -------------------------------------------------------------------------------
     p = sub.add_parser("kernel", help="paged attention vs contiguous SDPA, decode and prefill; "

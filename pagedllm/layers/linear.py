@@ -1,5 +1,6 @@
 """Linear layers that know how checkpoint tensors map onto them (and, under tensor parallelism,
-which slice of each checkpoint tensor this rank reads: ``source_index``)."""
+which slice of each checkpoint tensor this rank reads: ``source_index``), and that run on
+oneDNN with their weight packed once on CPU (``pack_linears``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,73 @@ if TYPE_CHECKING:
     from pagedllm.distributed.group import TPGroup
 
 
-class MergedLinear(nn.Linear):
+def onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """Weight dtypes oneDNN runs on this CPU: float32, and bfloat16 where the CPU has it."""
+    if not torch.backends.mkldnn.is_available():
+        return ()
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+
+
+# In float32, one row times a weight of at most this many elements runs faster on F.linear
+# (MKL's gemv) than on oneDNN, whose call costs ~30 us more (it builds its primitive descriptor
+# on every call): measured on 2 cores, 1-4x for the shapes of the two benchmark models up to
+# 768 x 2048 (README "Performance"). Such layers keep their plain weight beside the packed one
+# (small by definition; larger ones hold only the packed copy). In bfloat16 F.linear is no
+# faster at one row (torch runs it on oneDNN too, unpacked), so bf16 layers are packed only.
+GEMV_MAX_ELEMENTS = 2**21
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that can swap its weight for a oneDNN-packed copy (``pack``).
+
+    The packed weight is in oneDNN's blocked layout for this CPU, made once, so each call skips
+    MKL's per-call repacking: 1.3-5x the GFLOP/s of ``F.linear`` on 2 cores at the batch rows the
+    engine runs (``pagedllm bench linear`` measures it); a single row on a small weight still
+    goes to F.linear (``GEMV_MAX_ELEMENTS``). ``weight`` stays readable unless packing dropped
+    it: an untied weight above ``GEMV_MAX_ELEMENTS``, not needed twice."""
+
+    packed: torch.Tensor | None = None
+    gemv: bool = False  # packed, and a single row still goes to F.linear on the plain weight
+
+    def pack(self, keep_weight: bool = False) -> bool:
+        """Pack the weight for oneDNN; False (and nothing changes) where oneDNN cannot run it:
+        not on CPU, no oneDNN, or a dtype it does not run here (``onednn_dtypes``)."""
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype not in onednn_dtypes() or self.packed is not None:
+            return False
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+        self.gemv = w.dtype == torch.float32 and w.numel() <= GEMV_MAX_ELEMENTS
+        if not keep_weight and not self.gemv:
+            # the packed copy is the weight now; keep shape and dtype visible
+            self.weight = nn.Parameter(w.new_empty((0,) + w.shape[1:]), requires_grad=False)
+        return True
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W.T (+ bias); x [..., in] -> [..., out]."""
+        if self.packed is None or (self.gemv and x.numel() == x.shape[-1]):
+            return F.linear(x, self.weight, bias)
+        flat = x.reshape(-1, x.shape[-1])
+        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Pack every ``Linear`` of ``model`` for oneDNN (see ``Linear``); returns how many were.
+
+    A weight shared with another module (lm_head tied to the input embedding) is packed as a
+    copy and kept, since the embedding lookup still reads the plain tensor."""
+    owners: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return sum(m.pack(keep_weight=owners[id(m.weight)] > 1)
+               for m in model.modules() if isinstance(m, Linear))
+
+
+class MergedLinear(Linear):
     """Several projections of the same input fused along the output dim, e.g. q|k|v or gate|up.
 
     ``output_sizes`` are the row counts of the shards, in order; the loader copies checkpoint
@@ -39,7 +106,7 @@ class MergedLinear(nn.Linear):
         return (self.source_rows[shard],)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """Input features split over the tensor-parallel group: each rank multiplies its slice of the
     input by its columns of the weight; an all-reduce sums the partial outputs; the (replicated)
     bias is added once, after the sum."""
@@ -50,7 +117,7 @@ class RowParallelLinear(nn.Linear):
         self.source_cols = slice(tp.rank * in_features, (tp.rank + 1) * in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 
     def source_index(self, shard: int | None, leaf: str) -> tuple[slice, ...] | None:
@@ -58,8 +125,8 @@ class RowParallelLinear(nn.Linear):
 
 
 def row_parallel_linear(in_features: int, out_features: int, bias: bool,
-                        tp: TPGroup | None) -> nn.Linear:
-    """A plain ``nn.Linear`` without tensor parallelism (the single-process path is unchanged)."""
+                        tp: TPGroup | None) -> Linear:
+    """A plain ``Linear`` without tensor parallelism (the single-process path is unchanged)."""
     if tp is None:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(in_features, out_features, bias, tp)

@@ -16,7 +16,7 @@ from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.group import TPGroup, rows, shard_heads
 from pagedllm.layers import MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
-from pagedllm.layers.linear import row_parallel_linear
+from pagedllm.layers.linear import Linear, row_parallel_linear
 from pagedllm.layers.rotary import apply_rotary
 from pagedllm.models.base import CausalLM, KVCache
 
@@ -132,7 +132,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, backend, tp)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # replicated
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # replicated
         if cfg.tie_word_embeddings:
             self.tie_weights()
 

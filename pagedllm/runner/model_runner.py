@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedllm import _openmp
 from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import TPGroup, local_kv_model
+from pagedllm.layers.linear import Linear, pack_linears
 from pagedllm.layers.sampler import SamplingMetadata, logprob_stats, sample
 from pagedllm.logging_utils import init_logger
 from pagedllm.models.loader import load_model
@@ -90,6 +92,13 @@ class ModelRunner:
         if profiler is not None:
             profiler.start()
         self.model = load_model(config.model, self.backend, str(self.device), tp)
+        if self.device.type == "cpu":
+            if config.linear_backend == "auto":
+                n = pack_linears(self.model)
+                logger.info("linear layers: %d of %d on oneDNN with packed weights", n,
+                            sum(isinstance(m, Linear) for m in self.model.modules()))
+            if (hint := _openmp.advice(torch.get_num_threads())) is not None:
+                logger.info(hint)
         cache = config.cache
         if cache.kv_quantized and not self.backend.supports_quantized_kv:
             raise ValueError(

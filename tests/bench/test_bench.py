@@ -327,3 +327,23 @@ def test_kv_quant_on_the_shipped_model_holds_the_readme_figures(tmp_path: Path) 
         assert abs(rows[label]["ppl_change_pct"]) < 0.5, label
     assert rows["int8"]["mean_abs_dlogprob"] < 0.01
     assert rows["fp8_e4m3"]["top1_agreement"] >= 0.95
+
+
+def test_bench_linear_cli(model: Path, tmp_path: Path) -> None:
+    from pagedllm.bench.linear import layer_kinds
+    from pagedllm.config import ModelConfig
+    from pagedllm.layers.linear import onednn_dtypes
+
+    out = tmp_path / "linear.json"
+    res = _run(["bench", "linear", "--model", str(model), "--warmup", "1", "--output-dir",
+                str(tmp_path), "--output-json", str(out), *SMALL], out)
+    kinds = set(layer_kinds(ModelConfig.from_hf(str(model))).values())
+    rows = {r["layer"]: r for r in res["results"]}
+    assert set(rows) == kinds | {"all linears"}
+    everything = rows.pop("all linears")
+    assert everything["calls"] == sum(r["calls"] for r in rows.values())
+    assert everything["calls"] % 9 == 0  # 2 layers x 4 linears, 1 lm_head: every step runs all
+    for r in [everything, *rows.values()]:
+        assert r["engine_total_s"] > 0 and r["efficiency"] > 0 and r["onednn_alone_gflops"] > 0
+    assert res["engine_paths"] == (["onednn"] if onednn_dtypes() else ["torch"])
+    assert 0 < res["linear_share_of_run"] < 1

@@ -1,0 +1,180 @@
+"""``bench linear``: time the engine spends in its linear layers, against the rate the same GEMMs
+reach alone.
+
+1. The engine runs the workload once (after a warm-up) with a timer on every ``Linear`` module
+   (forward hooks, single process); each call is kept with its rows M, output N, input K and
+   path (oneDNN packed weight, or F.linear).
+2. Each distinct (M, N, K, dtype) is then timed alone, on oneDNN with a packed weight and on
+   F.linear, cycling over enough weight copies that they do not fit the CPU's caches (in the
+   engine every layer's weight comes from memory, so warm weights would flatter the rate).
+3. Per layer kind (qkv, o, gate_up, down, lm_head; from the model's shapes) the report gives the
+   engine's time, its GFLOP/s, and ``efficiency`` = time alone on oneDNN / time in the engine:
+   how close the engine's linears come to what oneDNN does on those shapes by themselves.
+
+Both sides use the median call of a shape (engine: per shape, times its call count), so that a
+call another process delayed on a shared machine weighs on neither; the engine's plain total is
+reported too (``engine_total_s``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from pagedllm.bench.report import format_table, machine_info, write_json
+from pagedllm.bench.workload import BenchRequest, WorkloadSpec, summarize
+
+LINEAR_OPS = {"mkldnn::_linear_pointwise": "onednn", "aten::linear": "torch"}
+COLD_BYTES = 64 * 2**20  # weight copies cycled through when timing alone: more than any L3 here
+Shape = tuple[int, int, int]  # (M, N, K)
+
+
+def layer_kinds(cfg: Any) -> dict[tuple[int, int], str]:
+    """(N, K) of each linear of a Llama-family model -> its name (joined when shapes coincide)."""
+    d, h = cfg.head_dim, cfg.hidden_size
+    shapes = {
+        "qkv": ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d, h),
+        "o": (h, cfg.num_attention_heads * d),
+        "gate_up": (2 * cfg.intermediate_size, h),
+        "down": (h, cfg.intermediate_size),
+        "lm_head": (cfg.vocab_size, h),
+    }
+    kinds: dict[tuple[int, int], str] = {}
+    for name, nk in shapes.items():
+        kinds[nk] = f"{kinds[nk]}+{name}" if nk in kinds else name
+    return kinds
+
+
+def time_linears(engine_backend: Any, reqs: list[BenchRequest]) -> tuple[dict[tuple[Shape, str], list[float]], float]:
+    """Run ``reqs`` once with a timer on every ``Linear`` (forward hooks); -> ({((M, N, K),
+    path): [seconds of each call]}, wall seconds of the run). Path "onednn": the layer has a
+    packed weight; "torch": F.linear."""
+    from pagedllm.layers.linear import Linear
+
+    calls: dict[tuple[Shape, str], list[float]] = defaultdict(list)
+    started: list[float] = []
+
+    def before(m: Any, args: Any) -> None:
+        started.append(time.perf_counter())
+
+    def after(m: Any, args: Any, out: torch.Tensor) -> None:
+        dt = time.perf_counter() - started.pop()
+        x = args[0]
+        shape = (x.numel() // x.shape[-1], m.out_features, m.in_features)
+        calls[(shape, "torch" if m.packed is None else "onednn")].append(dt)
+
+    mods = [m for m in engine_backend.engine.runner.model.modules() if isinstance(m, Linear)]
+    handles = [h for m in mods for h in (m.register_forward_pre_hook(before),
+                                          m.register_forward_hook(after))]
+    try:
+        t0 = time.perf_counter()
+        engine_backend.run(reqs)
+        wall = time.perf_counter() - t0
+    finally:
+        for h in handles:
+            h.remove()
+    return dict(calls), wall
+
+
+def time_alone(shape: Shape, dtype: torch.dtype, path: str, min_s: float = 0.02,
+               max_reps: int = 50) -> float:
+    """Median seconds of one call of ``shape`` on ``path``, weights cold (see module doc)."""
+    m, n, k = shape
+    copies = max(1, min(32, -(-COLD_BYTES // (n * k * dtype.itemsize))))
+    ws = [torch.randn(n, k).mul_(0.02).to(dtype) for _ in range(copies)]
+    x = torch.randn(m, k).to(dtype)
+    if path == "onednn":
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws]
+
+        def call(i: int) -> None:
+            torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")
+    else:
+        def call(i: int) -> None:
+            F.linear(x, ws[i])
+    times: list[float] = []
+    with torch.inference_mode():
+        call(0)
+        while len(times) < max_reps and (len(times) < 5 or sum(times) < min_s):
+            t0 = time.perf_counter()
+            call(len(times) % copies)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_linear(reqs: list[BenchRequest], spec: WorkloadSpec, engine_kwargs: dict[str, Any],
+               warmup: int = 4) -> dict[str, Any]:
+    from pagedllm.bench.baselines import EngineBackend
+
+    backend = EngineBackend("pagedllm", engine_kwargs)
+    cfg = backend.engine.config.model
+    dtype = getattr(torch, cfg.dtype)
+    if warmup:
+        backend.run(reqs[:warmup])
+    calls, wall = time_linears(backend, reqs)
+    kinds = layer_kinds(cfg)
+    alone: dict[tuple[Shape, str], float] = {}
+    for shape, _ in calls:
+        for p in ("onednn", "torch"):
+            if (shape, p) not in alone and (p == "torch" or dtype in _onednn()):
+                alone[(shape, p)] = time_alone(shape, dtype, p)
+    agg: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for (shape, _), ts in calls.items():
+        m, n, k = shape
+        for key in (kinds.get((n, k), f"{n}x{k}"), "all linears"):
+            a = agg[key]
+            a["calls"] += len(ts)
+            a["engine_total_s"] += sum(ts)
+            a["engine_s"] += statistics.median(ts) * len(ts)
+            a["gflop"] += 2 * m * n * k * len(ts) / 1e9
+            a["rows"] += m * len(ts)
+            for p in ("onednn", "torch"):
+                a[f"{p}_alone_s"] += alone.get((shape, p), float("nan")) * len(ts)
+    rows = []
+    for kind, a in sorted(agg.items(), key=lambda kv: kv[0] == "all linears"):
+        rows.append({
+            "layer": kind, "calls": int(a["calls"]), "mean_rows": a["rows"] / a["calls"],
+            "engine_s": a["engine_s"], "engine_total_s": a["engine_total_s"], "engine_gflops": a["gflop"] / a["engine_s"],
+            "onednn_alone_gflops": a["gflop"] / a["onednn_alone_s"],
+            "torch_alone_gflops": a["gflop"] / a["torch_alone_s"],
+            "efficiency": a["onednn_alone_s"] / a["engine_s"],
+        })
+    paths = sorted({p for _, p in calls})
+    return {
+        "benchmark": "linear",
+        "dtype": cfg.dtype,
+        "threads": torch.get_num_threads(),
+        "engine_paths": paths,
+        "run_s": wall,
+        "linear_share_of_run": agg["all linears"]["engine_total_s"] / wall if calls else 0.0,
+        "results": rows,
+        "shapes": [{"m": s[0], "n": s[1], "k": s[2], "path": p, "calls": len(ts),
+                    "engine_total_s": sum(ts), "engine_median_s": statistics.median(ts),
+                    "onednn_alone_s": alone.get((s, "onednn")),
+                    "torch_alone_s": alone.get((s, "torch"))}
+                   for (s, p), ts in sorted(calls.items())],
+        "workload": {**spec.describe(), **summarize(reqs)},
+        "engine": {k: v for k, v in engine_kwargs.items() if v is not None},
+        "machine": machine_info(),
+    }
+
+
+def _onednn() -> tuple[torch.dtype, ...]:
+    from pagedllm.layers.linear import onednn_dtypes
+
+    return onednn_dtypes()
+
+
+def report_linear(res: dict[str, Any], output_dir: Path, output_json: Path | None) -> list[Path]:
+    print(f"dtype {res['dtype']}, {res['threads']} threads, engine path {'+'.join(res['engine_paths'])}; "
+          f"linears {res['linear_share_of_run']:.0%} of the profiled run ({res['run_s']:.2f} s)")
+    print(format_table(res["results"], ("layer", "calls", "mean_rows", "engine_total_s", "engine_gflops",
+                                        "onednn_alone_gflops", "torch_alone_gflops", "efficiency"),
+                       ["layer", "calls", "mean M", "engine total s", "engine GFLOP/s",
+                        "oneDNN alone", "F.linear alone", "efficiency"]))
+    return [write_json(output_json or output_dir / "linear.json", res)]

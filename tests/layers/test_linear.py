@@ -1,0 +1,156 @@
+"""Linear layers packed for oneDNN compute what F.linear computes, for every layer kind the
+models build (plain, fused q|k|v and gate|up, row-parallel, tied LM head), and fall back to
+F.linear where oneDNN cannot run the weight."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pagedllm.distributed.group import TPGroup
+from pagedllm.layers.linear import (
+    Linear,
+    MergedLinear,
+    RowParallelLinear,
+    onednn_dtypes,
+    pack_linears,
+)
+
+needs_onednn = pytest.mark.skipif(torch.float32 not in onednn_dtypes(),
+                                  reason="this torch build has no oneDNN (mkldnn)")
+DTYPES = [pytest.param(torch.float32, marks=needs_onednn),
+          pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+              torch.bfloat16 not in onednn_dtypes(), reason="no bf16 oneDNN on this CPU"))]
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+class SumGroup:
+    """A process group of one: all-reduce is the identity, as it is for a single rank."""
+
+    def allreduce(self, xs: list[torch.Tensor]) -> Any:
+        class Done:
+            def wait(self) -> None: ...
+
+        return Done()
+
+
+def _init(m: nn.Module, seed: int) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    for p in m.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return m
+
+
+def _layers(dtype: torch.dtype) -> dict[str, nn.Module]:
+    tp = TPGroup(0, 1, SumGroup())
+    kinds: dict[str, nn.Module] = {
+        "plain": Linear(48, 40, bias=False),
+        "plain_bias": Linear(48, 40, bias=True),
+        "qkv": MergedLinear(48, [32, 16, 16], bias=True),
+        "gate_up": MergedLinear(48, [64, 64], bias=False),
+        "row_parallel": RowParallelLinear(48, 40, bias=True, tp=tp),
+        "lm_head": Linear(48, 300, bias=False),
+    }
+    return {k: _init(m, i).to(dtype) for i, (k, m) in enumerate(kinds.items())}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 16, 67])
+def test_packed_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
+    for kind, m in _layers(dtype).items():
+        w = m.weight.detach().clone()
+        b = None if m.bias is None else m.bias.detach().clone()
+        x = torch.randn(rows, 48).to(dtype)
+        want = F.linear(x.float(), w.float(), None if b is None else b.float())
+        with torch.inference_mode():
+            plain = m(x)
+            assert m.pack(), kind
+            got = m(x)
+        gemv = dtype == torch.float32  # small fp32 layers keep their weight for one-row calls
+        assert m.packed is not None and m.gemv == gemv, kind
+        assert m.weight.numel() == (w.numel() if gemv else 0), kind
+        assert got.dtype == dtype and got.shape == (rows, w.shape[0]), kind
+        torch.testing.assert_close(got.float(), want, **TOL[dtype], msg=kind)
+        torch.testing.assert_close(got, plain, **TOL[dtype], msg=kind)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_weights_are_held_once(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pagedllm.layers.linear.GEMV_MAX_ELEMENTS", 1000)  # 48 x 40 is large now
+    for kind, m in _layers(dtype).items():
+        w = m.weight.detach().clone()
+        x = torch.randn(1, 48).to(dtype)  # one row: oneDNN too, the plain weight is gone
+        m.pack()
+        assert not m.gemv and m.weight.shape == (0, 48) and m.weight.dtype == dtype, kind
+        with torch.inference_mode():
+            torch.testing.assert_close(m.matmul(x, None).float(), x.float() @ w.float().T,
+                                       **TOL[dtype], msg=kind)
+
+
+@needs_onednn
+def test_packed_takes_batched_and_strided_inputs() -> None:
+    m = _init(MergedLinear(48, [32, 16, 16], bias=True), 0)
+    w, b = m.weight.detach().clone(), m.bias.detach().clone()
+    m.pack()
+    x = torch.randn(2, 5, 96)[..., ::2]  # [2, 5, 48], not contiguous
+    with torch.inference_mode():
+        torch.testing.assert_close(m(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_tied_lm_head_packs_a_copy_and_the_embedding_keeps_its_weight(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(300, 48)
+            self.proj = Linear(48, 48, bias=False)
+            self.lm_head = Linear(48, 300, bias=False)
+            self.lm_head.weight = self.embed.weight
+
+    model = _init(Tied(), 0)
+    emb = model.embed.weight.detach().clone()
+    proj = model.proj.weight.detach().clone()
+    monkeypatch.setattr("pagedllm.layers.linear.GEMV_MAX_ELEMENTS", 1000)  # both are large
+    assert pack_linears(model) == 2
+    assert model.lm_head.weight is model.embed.weight and torch.equal(model.embed.weight, emb)
+    assert model.proj.weight.numel() == 0  # untied: the packed copy replaces it
+    ids = torch.tensor([3, 299, 0])
+    with torch.inference_mode():
+        h = model.embed(ids)  # 3 rows: oneDNN
+        torch.testing.assert_close(model.embed(ids), emb[ids])
+        torch.testing.assert_close(model.lm_head(h), h @ emb.T, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model.proj(h), h @ proj.T, atol=1e-5, rtol=1e-5)
+
+
+def test_falls_back_to_f_linear_where_onednn_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    half = _init(Linear(16, 8, bias=True), 0).half()  # no oneDNN half path on CPU here
+    assert not half.pack() and half.packed is None and half.weight.numel() == 16 * 8
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    m = _init(Linear(16, 8, bias=True), 1)
+    x = torch.randn(4, 16)
+    assert onednn_dtypes() == () and not m.pack() and pack_linears(m) == 0
+    torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias))
+
+
+@needs_onednn
+def test_engine_tokens_and_logprobs_same_with_and_without_onednn(tiny_models: dict[str, Any]) -> None:
+    from pagedllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 9, 14, 3, 7][: n + 2]} for n in range(4)]
+    outs = {}
+    for backend in ("auto", "torch"):
+        llm = LLM(model=str(tiny_models["qwen2"]), linear_backend=backend, num_kv_blocks=64)
+        assert sum(m.packed is not None for m in llm.engine.runner.model.modules()
+                   if isinstance(m, Linear)) == (0 if backend == "torch" else 4 * 2 + 1)  # 4 a layer + lm_head
+        outs[backend] = llm.generate(prompts, params)
+    for a, b in zip(outs["auto"], outs["torch"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
