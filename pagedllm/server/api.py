@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect
 from pagedllm import __version__
 from pagedllm.engine import LLMEngine
 from pagedllm.logging_utils import init_logger
+from pagedllm.server.prompts import Budget, _chat_prompt, _completion_prompts
 from pagedllm.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -50,11 +51,8 @@ from pagedllm.server.responses import (
 )
 from pagedllm.server.serving import (
     APIError,
-    Budget,
     ServerLimits,
-    _chat_prompt,
     _ClientGone,
-    _completion_prompts,
     _read_json,
     _Server,
     _validate,

@@ -1,10 +1,11 @@
 """Request handling for the OpenAI app: everything between a raw request and the engine.
 
 ``ServerLimits`` and ``APIError`` (an OpenAI-shaped refusal); reading a body by hand (size limit,
-strict UTF-8, strict JSON) and validating it against ``protocol``'s strict models; ``_Server``, the
-per-app state that checks auth and model name, turns request fields into ``SamplingParams``,
-submits to the ``AsyncEngine`` and collects a non-streamed answer (aborting if the client goes
-away); and the prompt sources, which tokenize and check length on the engine thread.
+strict UTF-8, strict JSON, no lone surrogates) and validating it against ``protocol``'s strict
+models; ``_Server``, the per-app state that checks auth and model name, turns request fields into
+``SamplingParams``, submits to the ``AsyncEngine`` and collects a non-streamed answer (aborting if
+the client goes away); ``engine_failure``, what a client is told when the engine fails. The
+prompt sources, which tokenize and check length on the engine thread, are in ``prompts``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from pagedllm.checks import lone_surrogate
 from pagedllm.config import default_model_path
-from pagedllm.engine import LLMEngine, PromptType
+from pagedllm.engine import LLMEngine
 from pagedllm.logging_utils import init_logger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -275,21 +276,6 @@ class _Server:
                 msg = msg.replace("logprobs=", f"{logprobs_field}=", 1)
             raise APIError(400, msg, param=param) from None
 
-    def check_prompt(self, ids: list[int], param: str, budget: Budget) -> None:
-        """On the engine thread, once the prompt's length is known: --max-prompt-tokens, and the
-        prompt plus an explicit max_tokens must fit the context (vLLM's message)."""
-        lim = self.limits.max_prompt_tokens
-        if lim is not None and len(ids) > lim:
-            raise ValueError(f"{param} has {len(ids)} tokens; this server accepts at most {lim} "
-                             f"(--max-prompt-tokens)")
-        total = len(ids) + (budget.max_tokens or 0)
-        if budget.max_tokens is not None and total > self.max_model_len:
-            raise _FieldError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {budget.max_tokens} output tokens and your prompt contains {len(ids)} "
-                f"input tokens, for a total of {total} tokens. Please reduce the length of the "
-                f"input prompt or the number of requested output tokens.", budget.field)
-
     # -- submission --------------------------------------------------------------------------------
     async def submit(self, base_id: str, prompts: list[PromptSource], params: SamplingParams,
                      req: _SamplingFields, param: str) -> tuple[OutputStream, list[str]]:
@@ -358,75 +344,3 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-# -- prompt sources -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Budget:
-    """The request's explicit output budget and the field that set it (checked against the
-    context once the prompt's length is known)."""
-
-    max_tokens: int | None
-    field: str = "max_tokens"
-
-
-def _completion_prompts(srv: _Server, prompt: str | list[str] | list[int] | list[list[int]],
-                        budget: Budget) -> tuple[list[str], list[PromptSource]]:
-    """(texts for echo, prompt sources). Strings are tokenized on the engine thread."""
-    items: list[str | list[int]]
-    if isinstance(prompt, str):
-        items = [prompt]
-    elif not prompt:
-        raise APIError(400, "prompt is empty", param="prompt")
-    elif all(isinstance(p, int) for p in prompt):
-        items = [prompt]  # type: ignore[list-item]
-    else:
-        items = list(prompt)  # type: ignore[arg-type]
-    if len(items) > srv.limits.max_prompts:
-        raise APIError(400, f"{len(items)} prompts in one request; the limit is {srv.limits.max_prompts}",
-                       param="prompt")
-    texts, sources = [], []
-    for item in items:
-        if isinstance(item, str):
-            texts.append(item)
-            sources.append(_text_prompt(srv, item, budget))
-        else:
-            texts.append("")
-            sources.append(_ids_prompt(srv, list(item), budget))
-    return texts, sources
-
-
-def _text_prompt(srv: _Server, text: str, budget: Budget) -> PromptSource:
-    def prepare(engine: LLMEngine) -> PromptType:
-        ids = engine.tokenizer.encode(text)
-        srv.check_prompt(ids, "prompt", budget)
-        return {"prompt_token_ids": ids}
-
-    return prepare
-
-
-def _ids_prompt(srv: _Server, ids: list[int], budget: Budget) -> PromptSource:
-    def prepare(engine: LLMEngine) -> PromptType:
-        srv.check_prompt(ids, "prompt", budget)
-        return {"prompt_token_ids": ids}
-
-    return prepare
-
-
-def _chat_prompt(srv: _Server, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                 budget: Budget) -> PromptSource:
-    def prepare(engine: LLMEngine) -> PromptType:
-        tok = engine.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat_template; use /v1/completions")
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception) are bad input
-            raise ValueError(f"the chat template rejected these messages: {e}") from None
-        ids = tok.encode(text, add_special_tokens=False)
-        srv.check_prompt(ids, "messages", budget)
-        return {"prompt_token_ids": ids}
-
-    return prepare
