@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pagedllm.bench.soak import serve_subprocess
+from pagedllm.bench.server_process import serve_subprocess
 
 REPO = Path(__file__).resolve().parents[1]
 

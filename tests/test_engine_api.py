@@ -100,7 +100,7 @@ def test_min_tokens_bans_stop_tokens_for_every_early_step(llm: LLM, tiny_models:
     assert out.token_ids == want
     assert out.finish_reason == ("stop" if want[-1] == first else "length")
     assert first not in out.token_ids[:min_tokens]
-    _all_blocks_back(llm)
+    assert_idle(llm.engine)
 
 
 def test_invalid_input_raises_and_loses_nothing(llm: LLM) -> None:
