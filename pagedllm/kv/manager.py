@@ -115,6 +115,16 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         return 0 if table is None else len(table)
 
+    def num_shared_blocks_of(self, request_id: str) -> int:
+        """Leading blocks of the request's table that others hold too (ref count > 1): prefix
+        hits and forks share a table's head, so the count stops at the first private block."""
+        n = 0
+        for b in self._tables.get(request_id, ()):
+            if b.ref_cnt < 2:
+                break
+            n += 1
+        return n
+
     def block_hashes(self, request_id: str) -> list[BlockHash]:
         """A copy of the hashes of the request's leading full, computed blocks."""
         return list(self._hashes.get(request_id, ()))

@@ -11,8 +11,9 @@ The grid, for decode batches of B requests at context C, mixed with a prefill of
                           max_model_len allows; P >= 256 also in 32-token prompts (pure prefill:
                           the same tokens with less attention, which tells the two apart)
     B = 0, C cached       P in 64, 512 after a prefix hit of C tokens         (chunked prefill)
-    B in 1, 2, 4, .. 256  C in 64, 256, 512, P = 0                           (pure decode)
+    B in 1, 2, 4, .. 256  C in 64, 256, 512 (or max_model_len - 64), P = 0      (pure decode)
     B in 4, 16, 64        C = 256, P in 16, 128, 512                          (mixed steps)
+    B in 4, 16, 64        C = 256 shared by all, + 16 tokens each, P = 0      (shared prefix)
 
 Each cell runs ``reps`` times (more when fast) and keeps the mean without the slowest run (the
 machine may be shared and interference only adds time; a replay sums steps, so the mean, not the
@@ -57,7 +58,7 @@ CLOCKS = {
     "cpu": time.process_time,
 }
 TRIM = 1.5  # a sample taking > (1 + TRIM) x the first fit's prediction is interference
-SETUP_TOKEN_CAP = 16384  # at most this many context tokens per decode batch (B x C)
+SETUP_TOKEN_CAP = 32768  # at most this many context tokens per decode batch (B x C)
 
 
 def calibrate(args: EngineArgs, reps: int = 3, max_seconds: float = 300.0,
@@ -87,14 +88,14 @@ def calibrate(args: EngineArgs, reps: int = 3, max_seconds: float = 300.0,
     deadline = t_start + max_seconds
     for n, (kind, c, sizes) in enumerate(groups):
         late = False
+        if kind in ("cached", "shared"):
+            run.cache_context(c)
         for b, cells in sizes:
             late = time.perf_counter() > deadline
             if late:
                 break
-            if kind == "cached":
-                run.cache_context(c)
-            elif kind == "decode":
-                run.grow_decodes(b, c)
+            if kind in ("decode", "shared"):
+                run.grow_decodes(b, c, shared=kind == "shared")
             for p, chunk in cells:
                 run.timed_cell(reps, p, chunk, cached=c if kind == "cached" else 0)
             ps = ",".join(f"{p}" + (f"/{k}" if k else "") for p, k in cells)
@@ -147,7 +148,7 @@ def _grid(budget: int, max_len: int, max_seqs: int, caching: bool, pool_tokens: 
     """The cell groups in the order they run (module docstring). A decode group grows one batch
     at context C through the listed sizes B, timing the cells of each size on the way."""
     room = max_len - 64  # decode cells need some steps of headroom
-    cap = min(SETUP_TOKEN_CAP, pool_tokens // 2)
+    cap = min(SETUP_TOKEN_CAP, pool_tokens - budget)  # room left for a prefill cell
     top = min(budget, cap)
     prefills = [p for p in (4, 16, 32, 64, 128, 256, 512, 1024) if p < top] + [top]
     short = [(p, max(32, -(-p // max_seqs))) for p in prefills if p >= 256]
@@ -157,7 +158,7 @@ def _grid(budget: int, max_len: int, max_seqs: int, caching: bool, pool_tokens: 
         ps = [(p, 0) for p in (64, 512) if c + p < max_len and p <= budget]
         if c >= 16 and ps:
             groups.append(("cached", c, [(0, ps)]))
-    contexts = sorted({c for c in (64, 256, 512) if c <= room} or {max(1, room)})
+    contexts = sorted({c for c in (64, 256, min(512, room)) if 0 < c <= room} or {max(1, room)})
     mixed_c = min(contexts, key=lambda c: abs(c - 256))
     for c in contexts:
         sizes = []
@@ -170,6 +171,10 @@ def _grid(budget: int, max_len: int, max_seqs: int, caching: bool, pool_tokens: 
             sizes.append((b, cells))
         if sizes:
             groups.append(("decode", c, sizes))
+    if caching and mixed_c + 16 <= room:  # decodes whose context is mostly one shared prefix
+        shared = [(b, [(0, 0)]) for b in (4, 16, 64) if b <= max_seqs and b * 64 <= cap]
+        if shared:
+            groups.append(("shared", mixed_c, shared))
     return groups
 
 
@@ -216,11 +221,12 @@ class _Runner:
         while self.engine.has_unfinished_requests():
             self.engine.step()
 
-    def grow_decodes(self, b: int, c: int) -> None:
-        """Add ``c``-token prompts until ``b`` requests run; step (those steps kept as samples)
-        until every one of them decodes."""
+    def grow_decodes(self, b: int, c: int, shared: bool = False) -> None:
+        """Add ``c``-token prompts (``shared``: the cached context and 16 tokens of their own)
+        until ``b`` requests run; step (those steps kept as samples) until every one of them
+        decodes."""
         for _ in range(b - len(self.sched.running)):
-            self._add(self._tokens(c), 10**6)
+            self._add(self.context + self._tokens(16) if shared else self._tokens(c), 10**6)
         while self.sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                         for r in self.sched.running):
             self.samples.append(self._step())
@@ -244,7 +250,7 @@ class _Runner:
                 left -= n
             runs.append(self._step())
             spent += runs[-1][1]
-        feats = tuple(statistics.fmean(f[i] for f, _ in runs) for i in range(4))
+        feats = tuple(statistics.fmean(f[i] for f, _ in runs) for i in range(len(runs[0][0])))
         times = sorted(t for _, t in runs)
         kept = times[:-1] if len(times) >= 3 else times  # the slowest is most likely interference
         self.samples.append((feats, statistics.fmean(kept)))  # type: ignore[arg-type]
@@ -261,5 +267,6 @@ def summarize_fit(model: StepCostModel) -> str:
     dense = ", ".join(f"{k}: {v * 1e3:.2f}" for k, v in zip(model.knots, model.dense_s))
     return (f"dense part (ms at T tokens) {dense}\n"
             f"per request {model.per_seq_s * 1e3:.3f} ms, decode attention "
-            f"{model.per_decode_context_s * 1e9:.2f} ns per context token, prefill attention "
+            f"{model.per_decode_context_s * 1e9:.2f} ns per context token "
+            f"({model.per_decode_shared_context_s * 1e9:.2f} shared), prefill attention "
             f"{model.per_prefill_pair_s * 1e9:.3f} ns per query-key pair")

@@ -118,7 +118,7 @@ def _replay(a: argparse.Namespace, args: EngineArgs) -> int:
     import dataclasses
 
     from pagedllm.bench.cli import _spec_kwargs
-    from pagedllm.bench.report import format_table, write_json
+    from pagedllm.bench.report import write_json
     from pagedllm.bench.workload import build_workload, summarize
     from pagedllm.planner.plan import Planner
     from pagedllm.planner.profile import Profile, describe_config
@@ -152,17 +152,7 @@ def _replay(a: argparse.Namespace, args: EngineArgs) -> int:
             for o in (combinations(axes) if axes else [{}])]
     rows = [r for r, _ in runs]
     keys = [k for k, _ in axes]
-    cols = [(k, k) for k in keys] + [c for c in PLAN_COLUMNS
-                                     if profile is not None or c[0] not in TIMED]
-    if a.find_max_rate:
-        cols.append(("max_rate_rps", "max req/s"))
-    if slo.active:
-        cols.append(("meets_slo", "SLO"))
-    shown = [_display(r) for r in rows]
-    print(format_table(shown, [c for c, _ in cols], [h for _, h in cols]))
-    for r in rows:
-        if "error" in r:
-            print(f"refused {', '.join(f'{k}={r[k]}' for k in keys)}: {r['error']}")
+    _print_rows(rows, keys, timed=profile is not None, rates=a.find_max_rate, slo=slo.active)
     doc: dict[str, Any] = {
         "planner": "replay through pagedllm's Scheduler and KVCacheManager",
         "workload": {**spec.describe(), **summarize(reqs), "arrivals": _arrivals(a, reqs)},
@@ -205,6 +195,22 @@ def _arrivals(a: argparse.Namespace, reqs: list[Any]) -> str:
     if any(r.arrival_time for r in reqs):
         return "the trace's arrival_time"
     return "all at once"
+
+
+def _print_rows(rows: list[dict[str, Any]], keys: list[str], timed: bool, rates: bool,
+                slo: bool) -> None:
+    """The table of rows (swept settings first), then each refused combination's error."""
+    from pagedllm.bench.report import format_table
+
+    cols = [(k, k) for k in keys] + [c for c in PLAN_COLUMNS if timed or c[0] not in TIMED]
+    if rates:
+        cols.append(("max_rate_rps", "max req/s"))
+    if slo:
+        cols.append(("meets_slo", "SLO"))
+    print(format_table([_display(r) for r in rows], [c for c, _ in cols], [h for _, h in cols]))
+    for r in rows:
+        if "error" in r:
+            print(f"refused {', '.join(f'{k}={r[k]}' for k in keys)}: {r['error']}")
 
 
 def _display(r: dict[str, Any]) -> dict[str, Any]:

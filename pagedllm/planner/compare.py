@@ -98,7 +98,7 @@ def _run(engine: Any, reqs: list[BenchRequest], arrivals: list[float],
             engine.add_request(f"c{i}", {"prompt_token_ids": r.prompt_token_ids},
                                SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
                                               ignore_eos=True))
-            arrival[i] = now
+            arrival[i] = arrivals[i]  # the request waited from then, mid-step or not
             nxt += 1
         if not engine.has_unfinished_requests():
             clock.wait_until(arrivals[order[nxt]])

@@ -1,29 +1,32 @@
 """The step-cost model: how long one engine step takes, from what the scheduler put in it.
 
 A step's wall time (``LLMEngine.step()``: schedule, prepare, forward, sample, update, outputs) is
-modelled from four numbers of its stats record (``StepStats``, ``step_features``)::
+modelled from five numbers of its stats record (``StepStats``, ``step_features``)::
 
     tokens             T  new tokens in the step
     seqs               S  requests in the step
     decode_context     D  sum of the context lengths of its 1-token (decode) requests
+    decode_shared      Ds of D, the tokens in blocks shared with other requests (prefix hits,
+                          forks): one copy serves every holder, so they mostly come from cache
     prefill_attention  A  sum over its multi-token chunks of n * (start + (n + 1) / 2): the
                           query x key pairs of causal attention over n new tokens after
                           ``start`` cached ones
 
-    step_s = dense(T) + per_seq * S + per_decode_context * D + per_prefill_pair * A
+    step_s = dense(T) + per_seq * S + per_decode_context * (D - Ds)
+             + per_decode_shared_context * Ds + per_prefill_pair * A
 
 ``dense(T)`` (linear layers, norms, the fixed cost of a step) is a table of seconds at a few token
 counts (``knots``), interpolated linearly between them and extrapolated from the last two: on a
 CPU a matmul over 1 row and over 4 rows take very different paths, so no straight line fits both
 small decode batches and long prefill chunks. ``per_seq`` covers per-request work (batch
-building, the LM head row, sampling, per-request attention set-up), the two attention terms the
-work that grows with context.
+building, the LM head row, sampling, per-request attention set-up), the attention terms the work
+that grows with context.
 
 Every term is linear in its coefficient (the interpolation weights of T are fixed), so ``fit``
 is a least-squares problem: minimise the *relative* error over timed steps (they range from a
 millisecond to seconds; each should be predicted to a percentage), every coefficient >= 0 (an
-active-set loop pins a negative one to zero and refits). Pure Python; ten unknowns are a 10x10
-solve.
+active-set loop pins a negative one to zero and refits). Pure Python; a dozen unknowns are a
+12x12 solve.
 """
 
 from __future__ import annotations
@@ -35,14 +38,18 @@ from dataclasses import dataclass
 
 from pagedllm.sched.stats import StepStats
 
-Features = tuple[float, float, float, float]  # (tokens, seqs, decode_context, prefill_attention)
-LINEAR_TERMS = ("per_seq_s", "per_decode_context_s", "per_prefill_pair_s")
+# (tokens, seqs, decode_context, decode_shared_context, prefill_attention)
+Features = tuple[float, float, float, float, float]
+LINEAR_TERMS = ("per_seq_s", "per_decode_context_s", "per_decode_shared_context_s",
+                "per_prefill_pair_s")
 
 
 def step_features(stats: StepStats) -> Features:
-    """(T, S, D, A) of a step, from its record (``StepStats.open`` right after ``schedule()``)."""
+    """(T, S, D, Ds, A) of a step, from its record (``StepStats.open`` right after
+    ``schedule()``)."""
     return (float(stats.num_scheduled_tokens), float(stats.num_scheduled_requests),
-            float(stats.decode_context_tokens), stats.prefill_attention_pairs)
+            float(stats.decode_context_tokens), float(stats.decode_shared_context_tokens),
+            stats.prefill_attention_pairs)
 
 
 def default_knots(max_tokens: int) -> tuple[int, ...]:
@@ -74,6 +81,7 @@ class StepCostModel:
     dense_s: tuple[float, ...]
     per_seq_s: float = 0.0
     per_decode_context_s: float = 0.0
+    per_decode_shared_context_s: float = 0.0
     per_prefill_pair_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -84,7 +92,8 @@ class StepCostModel:
 
     @property
     def coefficients(self) -> tuple[float, ...]:
-        return (*self.dense_s, self.per_seq_s, self.per_decode_context_s, self.per_prefill_pair_s)
+        return (*self.dense_s, self.per_seq_s, self.per_decode_context_s,
+                self.per_decode_shared_context_s, self.per_prefill_pair_s)
 
     def predict(self, f: Features) -> float:
         return sum(c * x for c, x in zip(self.coefficients, design_row(self.knots, f)))
@@ -105,14 +114,15 @@ class StepCostModel:
 
 
 def design_row(knots: Sequence[int], f: Features) -> list[float]:
-    tokens, seqs, dctx, pairs = f
-    return [*_hat(knots, tokens), seqs, dctx, pairs]
+    tokens, seqs, dctx, shared, pairs = f
+    return [*_hat(knots, tokens), seqs, dctx - shared, shared, pairs]
 
 
 def fit(samples: Sequence[tuple[Features, float]], knots: Sequence[int]) -> StepCostModel:
     """Non-negative least squares on relative error: minimise sum ((pred - t) / t)^2 over
     ``(features, seconds)`` samples, every coefficient >= 0. Knots no sample comes near (and
-    terms no sample has) get 0."""
+    terms no sample has) get 0, except shared decode context, which without samples costs what
+    private context does."""
     rows = [(design_row(knots, f), t) for f, t in samples if t > 0]
     if not rows:
         raise ValueError("no timed steps to fit a step-cost model to")
@@ -125,7 +135,10 @@ def fit(samples: Sequence[tuple[Features, float]], knots: Sequence[int]) -> Step
             break
         active.remove(min(neg, key=lambda j: coef[j]))
     n = len(knots)
-    return StepCostModel(tuple(knots), tuple(coef[:n]), *coef[n:])
+    per_seq, private, shared, pairs = coef[n:]
+    if not any(f[3] for f, _ in samples):
+        shared = private
+    return StepCostModel(tuple(knots), tuple(coef[:n]), per_seq, private, shared, pairs)
 
 
 def _weighted_lstsq(rows: list[tuple[list[float], float]], active: list[int],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,3 @@ def describe_config(config: Any) -> dict[str, Any]:
     return {"model": m.model, "dtype": m.dtype, "kv_cache_dtype": c.kv_dtype_label(m),
             "device": config.device, "block_size": c.block_size,
             "attention_backend": config.attention_backend}
-
-
-def as_jsonable(p: Profile) -> dict[str, Any]:
-    return asdict(p)

@@ -46,9 +46,11 @@ class StepStats:
     live_tokens: int = 0  # tokens whose K/V are in the cache once the step has run
     reserved_tokens: int = 0  # slots of those requests' block tables (a shared block per holder)
     pool_tokens: int = 0  # slots the pool has handed out: used blocks x block size
-    # attention work (the planner's step-cost features): the summed contexts of 1-token steps,
+    # attention work (the planner's step-cost features): the summed contexts of 1-token steps
+    # (of which in blocks shared with other requests: read once from cache, not from memory),
     # and the query x key pairs of multi-token chunks, n * (start + (n + 1) / 2) each
     decode_context_tokens: int = 0
+    decode_shared_context_tokens: int = 0
     prefill_attention_pairs: float = 0.0
     # -- the state the step left ----------------------------------------------------------------
     num_running: int = 0
@@ -89,25 +91,26 @@ class StepStats:
         """The record of the step ``out`` was just scheduled for."""
         kv = sched.kv
         new = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
-        prefill = live = blocks = decode_ctx = 0
+        prefill = live = blocks = decode_ctx = decode_shared = 0
         pairs = 0.0
+        bs = kv.block_size
         for s in out.scheduled:
             r, c, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             prefill += max(0, min(c + n, r.num_prompt_tokens) - c)
             if n == 1:
                 decode_ctx += c + 1
+                decode_shared += min(c + 1, kv.num_shared_blocks_of(r.request_id) * bs)
             else:
                 pairs += n * (c + (n + 1) / 2)
         for r in sched.running:
             live += r.num_computed_tokens + new.get(r.request_id, 0)
             blocks += kv.num_blocks_of(r.request_id)
-        bs = kv.block_size
         return cls(
             step=sched.num_steps, num_scheduled_requests=len(out.scheduled),
             num_prefill_tokens=prefill, num_decode_tokens=out.num_batched_tokens - prefill,
             batch_running=len(sched.running), live_tokens=live, reserved_tokens=blocks * bs,
             pool_tokens=kv.num_used_blocks * bs, decode_context_tokens=decode_ctx,
-            prefill_attention_pairs=pairs,
+            decode_shared_context_tokens=decode_shared, prefill_attention_pairs=pairs,
         )
 
     def close(self, sched: Scheduler, step_time_s: float) -> StepStats:

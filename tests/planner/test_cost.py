@@ -24,10 +24,11 @@ from pagedllm.sched import Scheduler
 from pagedllm.sched.stats import StepStats
 
 TRUE = StepCostModel(knots=(1, 4, 16, 64, 256, 1024), dense_s=(2e-3, 2.5e-3, 4e-3, 9e-3, 3e-2, 1.1e-1),
-                     per_seq_s=5e-5, per_decode_context_s=4e-7, per_prefill_pair_s=1.5e-7)
+                     per_seq_s=5e-5, per_decode_context_s=4e-7, per_decode_shared_context_s=2e-7,
+                     per_prefill_pair_s=1.5e-7)
 
 
-def _synthetic_steps(n: int, seed: int = 0) -> list[tuple[tuple[float, float, float, float], float]]:
+def _synthetic_steps(n: int, seed: int = 0) -> list[tuple[tuple[float, ...], float]]:
     """Steps like the calibration grid's and a workload's: decode batches, prefills, mixes."""
     rng = random.Random(seed)
     out = []
@@ -38,7 +39,8 @@ def _synthetic_steps(n: int, seed: int = 0) -> list[tuple[tuple[float, float, fl
         k = rng.choice([1, 4]) if p >= 64 else 1
         start = rng.choice([0, 0, 128])
         pairs = sum((p // k) * (start + (p // k + 1) / 2) for _ in range(k))
-        f = (float(b + p), float(b + (k if p else 0)), float(b * ctx), pairs)
+        shared = rng.choice([0, 0, 128])
+        f = (float(b + p), float(b + (k if p else 0)), float(b * ctx), float(b * shared), pairs)
         out.append((f, TRUE.predict(f)))
     return out
 
@@ -51,18 +53,33 @@ def test_features_of_a_step_come_from_its_record() -> None:
     for rid, n in (("a", 4), ("b", 9)):
         sched.add_request(Request(rid, list(range(10, 10 + n)), SamplingParams(max_tokens=4)))
     out = sched.schedule()
-    assert step_features(StepStats.open(sched, out)) == (6.0, 2.0, 0.0, 4 * 2.5 + 2 * 1.5)
+    assert step_features(StepStats.open(sched, out)) == (6.0, 2.0, 0.0, 0.0, 4 * 2.5 + 2 * 1.5)
     sched.update(out, {"a": 1})
     out = sched.schedule()
     assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 5)]
-    assert step_features(StepStats.open(sched, out)) == (6.0, 2.0, 5.0, 5 * (2 + 3))
+    assert step_features(StepStats.open(sched, out)) == (6.0, 2.0, 5.0, 0.0, 5 * (2 + 3))
+
+
+def test_shared_decode_context_counts_blocks_other_requests_hold() -> None:
+    """B hits A's first two blocks (8 tokens); decoding, 8 of B's context are shared."""
+    kv = KVCacheManager(32, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64), kv)
+    prompt = list(range(10, 20))
+    sched.add_request(Request("a", prompt, SamplingParams(max_tokens=8)))
+    sched.update(sched.schedule(), {"a": 1})
+    sched.add_request(Request("b", prompt[:8] + [30, 31], SamplingParams(max_tokens=8)))
+    sched.update(sched.schedule(), {"a": 1, "b": 1})
+    f = step_features(StepStats.open(sched, sched.schedule()))
+    assert f[:4] == (2.0, 2.0, 12.0 + 11.0, 8.0 + 8.0)  # A's head is shared with B too
 
 
 def test_interpolation_between_knots_and_beyond() -> None:
     m = StepCostModel((1, 4, 16), (1.0, 2.5, 4.0))
-    assert [m.predict((t, 0, 0, 0)) for t in (1, 2, 4, 10, 16, 28)] == [1.0, 1.5, 2.5, 3.25, 4.0, 5.5]
-    assert StepCostModel((8,), (2.0,)).predict((4, 0, 0, 0)) == 1.0  # one knot: through 0
-    assert m.predict((1, 3, 100, 10)) == 1.0  # the other terms are 0 here
+    assert [m.predict((t, 0, 0, 0, 0)) for t in (1, 2, 4, 10, 16, 28)] == [1.0, 1.5, 2.5, 3.25, 4.0, 5.5]
+    assert StepCostModel((8,), (2.0,)).predict((4, 0, 0, 0, 0)) == 1.0  # one knot: through 0
+    assert m.predict((1, 3, 100, 50, 10)) == 1.0  # the other terms are 0 here
+    d = StepCostModel((1,), (0.0,), per_decode_context_s=2.0, per_decode_shared_context_s=0.5)
+    assert d.predict((0, 0, 10, 4, 0)) == 6 * 2.0 + 4 * 0.5
     assert default_knots(2048) == (1, 4, 16, 64, 256, 1024, 2048)
     with pytest.raises(ValueError, match="increasing"):
         StepCostModel((4, 1), (1.0, 1.0))
@@ -89,15 +106,21 @@ def test_fit_under_noise_stays_close_and_non_negative() -> None:
     assert min(m.coefficients) >= 0 and m.per_prefill_pair_s < 1e-12
 
 
+def test_without_shared_samples_shared_context_costs_what_private_does() -> None:
+    samples = [((f[0], f[1], f[2], 0.0, f[4]), t) for f, t in _synthetic_steps(120)]
+    m = fit(samples, TRUE.knots)
+    assert m.per_decode_shared_context_s == m.per_decode_context_s > 0
+
+
 def test_knots_without_samples_get_zero() -> None:
-    samples = [((t, 1.0, 0.0, 0.0), 1e-3 * t) for t in (1.0, 2.0, 3.0, 4.0)]
+    samples = [((t, 1.0, 0.0, 0.0, 0.0), 1e-3 * t) for t in (1.0, 2.0, 3.0, 4.0)]
     m = fit(samples, (1, 4, 16, 64))
     assert m.dense_s[2:] == (0.0, 0.0)
 
 
 def test_profile_round_trip_and_mismatches(tmp_path: Path) -> None:
     made_on = {"model": "/m", "dtype": "float32", "torch_threads": 1, "clock": "cpu"}
-    p = Profile(TRUE, made_on, {"median_rel_err": 0.05}, [[1.0, 1.0, 10.0, 0.0, 0.002]])
+    p = Profile(TRUE, made_on, {"median_rel_err": 0.05}, [[1.0, 1.0, 10.0, 0.0, 0.0, 0.002]])
     path = p.save(tmp_path / "prof.json")
     q = Profile.load(path)
     assert q.model == TRUE and q.made_on == made_on and q.samples == p.samples

@@ -42,7 +42,7 @@ def test_calibrate_writes_a_profile(profile: Path, model: str) -> None:
     for k in ("torch", "dtype", "processor", "created"):
         assert p.made_on[k]
     assert p.model.knots == (1, 4, 16, 64, 256)
-    assert all(c >= 0 for c in p.model.coefficients) and p.model.predict((8, 8, 400, 0)) > 0
+    assert all(c >= 0 for c in p.model.coefficients) and p.model.predict((8, 8, 400, 0, 0)) > 0
     assert p.fit["num_samples"] == len(p.samples) >= 12
 
 
