@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
+from pagedllm.checks import lone_surrogate
+
 
 class RequestOutputKind(enum.Enum):
     """What each ``RequestOutput`` of a request carries (vLLM's names)."""
@@ -88,6 +90,15 @@ class SamplingParams:
             raise bad("seed", "must be an integer or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        # generated text is valid Unicode: a stop string with a lone surrogate could never match
+        where = next((w for w in map(lone_surrogate, self.stop) if w is not None), None)
+        if where is not None:
+            raise bad("stop", f"contains a lone UTF-16 surrogate ({where}); send valid Unicode text")
+
+    def token_id_fields(self) -> dict[str, list[int]]:
+        """The token ids this request carries, by field name; the engine checks every one against
+        the vocabulary at admission (a field that carries ids belongs here)."""
+        return {"stop_token_ids": self.stop_token_ids}
 
     @property
     def greedy(self) -> bool:

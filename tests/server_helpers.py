@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -77,3 +80,22 @@ def scrape(server: ServerThread) -> dict[str, float]:
         name = name_labels.split("{", 1)[0]
         values[name] = values.get(name, 0.0) + float(value)
     return values
+
+
+@contextmanager
+def captured_log() -> Iterator[list[str]]:
+    """What the ``pagedllm`` loggers write meanwhile (messages with their tracebacks)."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(self.format(record))
+
+    handler = Keep()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root = logging.getLogger("pagedllm")
+    root.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        root.removeHandler(handler)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from engine_helpers import assert_idle
 
 from pagedllm import LLM, LLMEngine, SamplingParams
 
@@ -12,12 +13,6 @@ from pagedllm import LLM, LLMEngine, SamplingParams
 @pytest.fixture(scope="module")
 def llm(tiny_models: dict[str, Path]) -> LLM:
     return LLM(model=str(tiny_models["llama"]), block_size=4, num_kv_blocks=200, max_model_len=256)
-
-
-def _all_blocks_back(llm: LLM) -> None:
-    llm.engine.check_integrity()
-    assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
 def test_prompt_forms_and_output_order(llm: LLM) -> None:
@@ -29,7 +24,7 @@ def test_prompt_forms_and_output_order(llm: LLM) -> None:
     assert b[1].prompt_token_ids == [9, 9]
     # the continuation of a word-level text starts with the separating space
     assert a[0].outputs[0].text == "".join(f" t{i}" for i in a[0].outputs[0].token_ids)
-    _all_blocks_back(llm)
+    assert_idle(llm.engine)
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(llm: LLM) -> None:
@@ -52,7 +47,7 @@ def test_n_samples_and_stop_strings(llm: LLM) -> None:
                            use_tqdm=False)[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_word
     assert stop_word not in stopped.text and greedy.outputs[0].text.startswith(stopped.text)
-    _all_blocks_back(llm)
+    assert_idle(llm.engine)
 
 
 def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
@@ -105,7 +100,7 @@ def test_min_tokens_bans_stop_tokens_for_every_early_step(llm: LLM, tiny_models:
     assert out.token_ids == want
     assert out.finish_reason == ("stop" if want[-1] == first else "length")
     assert first not in out.token_ids[:min_tokens]
-    _all_blocks_back(llm)
+    assert_idle(llm.engine)
 
 
 def test_invalid_input_raises_and_loses_nothing(llm: LLM) -> None:
@@ -122,7 +117,7 @@ def test_invalid_input_raises_and_loses_nothing(llm: LLM) -> None:
     # a bad prompt in the middle of a batch: nothing of the batch stays queued
     with pytest.raises(ValueError):
         llm.generate(["t5", {"prompt_token_ids": [5] * 300}, "t6"], use_tqdm=False)
-    _all_blocks_back(llm)
+    assert_idle(llm.engine)
     ok = llm.generate("t5", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert len(ok[0].outputs[0].token_ids) == 2
 

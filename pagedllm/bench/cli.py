@@ -1,4 +1,4 @@
-"""``pagedllm bench throughput | prefix | memory | block-size | linear | kernel | serve | random-model``.
+"""``pagedllm bench throughput | prefix | memory | block-size | linear | kernel | serve | soak | random-model``.
 
 Registered by ``pagedllm.entrypoints.cli``; everything heavy is imported inside the command functions.
 """
@@ -322,6 +322,15 @@ def register(subparsers: Any) -> None:
 
     random_model.add_args(p)
     p.set_defaults(func=random_model.run)
+
+    # -- soak: hours of mixed, partly bad traffic against a real server ---------------------------
+    p = sub.add_parser("soak", help="long mixed traffic (random sampling, n, stops, disconnects, "
+                       "bad requests) against a `pagedllm serve` subprocess: 5xx, RSS, idle KV "
+                       "blocks, p99 drift")
+    from pagedllm.bench import soak
+
+    soak.add_args(p)
+    p.set_defaults(func=soak.run)
 
     # -- KV quantization accuracy / capacity (flags: `pagedllm bench kv-quant --help`) -------------
     p = sub.add_parser("kv-quant",

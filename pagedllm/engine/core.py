@@ -98,6 +98,7 @@ class LLMEngine:
         self._check_new_id(request_id)
         text, ids = self.input.tokenize(prompt)
         self.scheduler.check_fits(len(ids))
+        self.input.check_params(params, len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = self.input.fan_out(request_id, ids, params, priority, arrival)
         self.output.add(request_id, text, ids, children, arrival)
@@ -161,9 +162,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         stats = StepStats.open(self.scheduler, sched)
-        result = self.executor.execute(sched)
-        self.scheduler.update(sched, self.beams.take(sched, result.sampled))
-        outputs = self._process_outputs(sched, result, stats)
+        try:
+            result = self.executor.execute(sched)
+        except Exception as e:  # noqa: BLE001 - a bad request fails alone, else re-raised
+            outputs = self._fail_culprits(sched, e, stats)
+        else:
+            self.scheduler.update(sched, self.beams.take(sched, result.sampled))
+            outputs = self._process_outputs(sched, result, stats)
         upkeep = self.scheduler.end_step()  # compaction, or shrinking an idle pool: KV only
         if upkeep is not None:
             self.executor.execute(upkeep)
@@ -180,6 +185,37 @@ class LLMEngine:
         if done.finished or beams_ended:
             self.executor.release(done.finished + beams_ended)
         return done.outputs + beam_outputs if beam_outputs else done.outputs
+
+    def _fail_culprits(self, sched: SchedulerOutput, error: Exception,
+                       stats: StepStats) -> list[RequestOutput]:
+        """The executor failed a step. The requests in it that no longer pass admission's checks
+        fail alone: finish_reason "error", blocks freed, the error logged with their ids. The
+        others run the same step again next time: ``update`` never ran, so nothing of the failed
+        step was recorded, and rerunning it writes the same K/V into the same slots (the step's
+        KV changes are applied before the forward and sampling, where a request's bad data
+        fails, and are not planned again). A failure that no request explains, or a fatal one
+        (a lost tensor-parallel rank), is the engine's own: raised."""
+        if getattr(error, "fatal", False):
+            raise error
+        culprits = {s.request.request_id: why for s in sched.scheduled
+                    if (why := self.input.check_request(s.request)) is not None}
+        groups = {self.output.group_of(rid) for rid in culprits}
+        if not culprits or None in groups:  # none, or a beam (whose input the engine made)
+            raise error
+        outputs = []
+        for gid in sorted(g for g in groups if g is not None):
+            logger.error("request %s failed inside a step and is ended with finish_reason "
+                         "'error' (%s); the other requests continue",
+                         gid, "; ".join(str(w) for r, w in culprits.items()
+                                        if self.output.group_of(r) == gid), exc_info=error)
+            seqs = self.output.seq_ids(gid)
+            for rid in seqs:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+            out = self.output.finish(gid, stats)
+            if out is not None:
+                outputs.append(out)
+            self.executor.release(seqs)
+        return outputs
 
     # -- introspection ----------------------------------------------------------------------------
     def shutdown(self) -> None:

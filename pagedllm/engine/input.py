@@ -1,5 +1,6 @@
-"""Input processing: a prompt becomes token ids (tokenized, checked against the vocabulary), and
-a request becomes its ``n`` child sequences. Touches no engine state."""
+"""Input processing: a prompt becomes token ids (tokenized, checked against the vocabulary), a
+request's parameters are checked against the vocabulary and the context, and a request becomes
+its ``n`` child sequences. Touches no engine state."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from pagedllm.checks import check_text, check_token_ids
 from pagedllm.config import EngineConfig
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
@@ -28,6 +30,7 @@ class InputProcessor:
         ``{"prompt_token_ids": ids}`` or a list of ids. Raises ValueError for anything else or
         for ids outside the vocabulary."""
         if isinstance(prompt, str):
+            check_text("prompt", prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -40,11 +43,31 @@ class InputProcessor:
             ids = prompt
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
             raise ValueError("prompt_token_ids must be a list of ints")
-        vocab = self.config.model.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains ids outside [0, {vocab}): {bad[:5]}")
+        check_token_ids("prompt_token_ids", ids, self.config.model.vocab_size)
         return None, list(ids)
+
+    def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """What ``SamplingParams`` cannot know alone: its token ids must be in the vocabulary and
+        its min_tokens must fit what max_model_len leaves after the prompt. Raises ValueError."""
+        for name, ids in params.token_id_fields().items():
+            check_token_ids(name, ids, self.config.model.vocab_size)
+        max_len = self.config.scheduler.max_model_len
+        room = max_len - num_prompt_tokens
+        if params.min_tokens > room:
+            raise ValueError(f"min_tokens={params.min_tokens} is more than the {room} tokens "
+                             f"max_model_len={max_len} leaves after a prompt of {num_prompt_tokens}; "
+                             f"lower min_tokens or shorten the prompt")
+
+    def check_request(self, req: Request) -> ValueError | None:
+        """Re-validate a live request (its tokens and parameters as they are now); the error that
+        admission would raise for it, or None."""
+        try:
+            check_token_ids("token_ids", req.token_ids, self.config.model.vocab_size)
+            req.params.clone()  # runs SamplingParams' own checks
+            self.check_params(req.params, req.num_prompt_tokens)
+        except ValueError as e:
+            return e
+        return None
 
     def fan_out(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                 priority: int, arrival: float) -> list[Request]:
@@ -56,10 +79,11 @@ class InputProcessor:
                              f"request run together; lower n or raise --max-num-seqs")
         children = []
         for i in range(params.n):
-            child_params, child_id = params, request_id
             if params.n > 1:
                 seed = None if params.seed is None else params.seed + i
                 child_params, child_id = params.clone(n=1, seed=seed), f"{request_id}#{i}"
+            else:  # a copy: the caller's later edits to its params change nothing here
+                child_params, child_id = params.clone(), request_id
             children.append(Request(
                 request_id=child_id, prompt_token_ids=prompt_ids, params=child_params,
                 eos_token_ids=self.eos_token_ids, max_model_len=self.config.scheduler.max_model_len,

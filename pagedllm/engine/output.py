@@ -102,6 +102,23 @@ class OutputProcessor:
     def owns(self, seq_id: str) -> bool:
         return seq_id in self._seqs
 
+    def group_of(self, seq_id: str) -> str | None:
+        """The request a sequence belongs to (None: not a generate request, e.g. a beam)."""
+        entry = self._seqs.get(seq_id)
+        return None if entry is None else entry[0].request_id
+
+    def seq_ids(self, request_id: str) -> list[str]:
+        return [s.request.request_id for s in self.groups[request_id].seqs]
+
+    def finish(self, request_id: str, stats: StepStats) -> RequestOutput | None:
+        """The last output of a request the engine ended itself (its sequences are finished in
+        the scheduler already; their finish reasons go to ``stats``); the request is forgotten."""
+        group = self.groups[request_id]
+        stats.finish_reasons += [s.finish_reason or "abort" for s in group.seqs]
+        out = self._output(group, time.monotonic(), finished=True)
+        self.remove(request_id)
+        return out
+
     def process(self, scheduled: list[ScheduledRequest], sampled: dict[str, SampledToken],
                 prompt_lps: dict[str, PromptLogprobsChunk], stats: StepStats) -> ProcessedStep:
         """Outputs of the step; its request events (tokens, latencies, finishes) go to

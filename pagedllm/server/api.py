@@ -19,7 +19,8 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -27,6 +28,7 @@ from starlette.requests import ClientDisconnect
 from pagedllm import __version__
 from pagedllm.engine import LLMEngine
 from pagedllm.logging_utils import init_logger
+from pagedllm.server.prompts import Budget, _chat_prompt, _completion_prompts
 from pagedllm.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -50,12 +52,11 @@ from pagedllm.server.responses import (
 from pagedllm.server.serving import (
     APIError,
     ServerLimits,
-    _chat_prompt,
     _ClientGone,
-    _completion_prompts,
     _read_json,
     _Server,
     _validate,
+    served_model_name,
 )
 
 __all__ = ["APIError", "ServerLimits", "build_app"]
@@ -64,10 +65,14 @@ logger = init_logger(__name__)
 
 
 def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str | None = None,
-              limits: ServerLimits | None = None, batch_wait_ms: float = 0.0) -> FastAPI:
-    """The app for one engine. The engine thread starts and stops with the app's lifespan."""
-    srv = _Server(engine, model_name or engine.config.model.model, api_key, limits or ServerLimits(),
-                  batch_wait_ms)
+              limits: ServerLimits | None = None, batch_wait_ms: float = 0.0,
+              disable_docs: bool = False) -> FastAPI:
+    """The app for one engine. The engine thread starts and stops with the app's lifespan.
+    ``model_name``: the served name (default: the model path as given; ``default_model`` for the
+    shipped model). The docs pages (/docs, /redoc, /openapi.json) need the API key when there is
+    one, and are not served at all with ``disable_docs``; /health and /metrics stay open."""
+    srv = _Server(engine, model_name or served_model_name(engine.config.model.model), api_key,
+                  limits or ServerLimits(), batch_wait_ms)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -77,7 +82,8 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
         finally:
             await srv.async_engine.shutdown()
 
-    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, openapi_url=None,
+                  docs_url=None, redoc_url=None)  # served below, behind the key
     app.state.server = srv
     app.state.engine = engine
     app.state.async_engine = srv.async_engine
@@ -102,13 +108,16 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return APIError(500, f"internal server error: {type(e).__name__}", type="server_error").response()
+        ref = f"error-{uuid.uuid4().hex}"
+        logger.exception("unhandled error (request id %s)", ref)
+        return APIError(500, f"internal server error (request id {ref}); the server log has the "
+                        f"details", type="server_error").response()
 
     @app.get("/health")
     async def health() -> Response:
         if not srv.async_engine.is_running:
-            return APIError(503, "the engine is not running", type="server_error").response()
+            return APIError(503, "the engine is not running; the server log has the details",
+                            type="server_error").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
@@ -118,6 +127,23 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(srv.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if not disable_docs:
+        docs = APIRouter(dependencies=[Depends(srv.check_auth)], include_in_schema=False)
+
+        @docs.get("/openapi.json")
+        async def openapi() -> JSONResponse:
+            return JSONResponse(app.openapi())
+
+        @docs.get("/docs")
+        async def swagger() -> HTMLResponse:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="pagedllm - Swagger UI")
+
+        @docs.get("/redoc")
+        async def redoc() -> HTMLResponse:
+            return get_redoc_html(openapi_url="/openapi.json", title="pagedllm - ReDoc")
+
+        app.include_router(docs)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(srv.check_auth)])
 
@@ -137,9 +163,9 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported", param="echo")
         params = srv.sampling_params(req, req.max_tokens, "max_tokens", req.logprobs, "logprobs")
-        texts, prompts = _completion_prompts(srv, req.prompt)
+        texts, prompts = _completion_prompts(srv, req.prompt, Budget(req.max_tokens))
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream, ids = await srv.submit(rid, prompts, params, req.priority, "prompt")
+        stream, ids = await srv.submit(rid, prompts, params, req, "prompt")
         index_of = {r: i for i, r in enumerate(ids)}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -148,7 +174,7 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
             gen = stream_deltas(srv, stream, chunks, include_usage)
             return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
-            final = await srv.collect(request, stream)
+            final = await srv.collect(request, stream, rid)
         except _ClientGone:
             return Response(status_code=499)
         choices, prompt_tokens, completion_tokens = [], 0, 0
@@ -187,15 +213,15 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
                         for m in req.messages]
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        prompt = _chat_prompt(srv, messages, req.add_generation_prompt)
+        prompt = _chat_prompt(srv, messages, req.add_generation_prompt, Budget(max_tokens, max_field))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream, ids = await srv.submit(rid, [prompt], params, req.priority, "messages")
+        stream, ids = await srv.submit(rid, [prompt], params, req, "messages")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             gen = stream_deltas(srv, stream, ChatChunks(srv, rid, req.n, k), include_usage)
             return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
-            final = await srv.collect(request, stream)
+            final = await srv.collect(request, stream, rid)
         except _ClientGone:
             return Response(status_code=499)
         out = final[ids[0]]

@@ -22,7 +22,8 @@ class ServerArgs:
     api_key: str | None = setting(
         None, "require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLLM_API_KEY)", group=S)
     served_model_name: str | None = setting(
-        None, "model name in the API (default: the model path)", group=S)
+        None, "model name in the API (default: the model path as given; default_model for the "
+        "shipped model)", group=S)
     batch_wait_ms: float = setting(
         0.0, "how long the engine loop may wait for more arrivals before a step", group=S)
     max_request_bytes: int = setting(1 << 20, "largest request body", group=S)
@@ -33,7 +34,10 @@ class ServerArgs:
         None, "longest prompt (default: max_model_len - 1)", group=S)
     max_prompts: int = setting(32, "prompts in one /v1/completions batch", group=S)
     drain_timeout: float = setting(
-        30.0, "seconds SIGTERM waits for in-flight requests before aborting them", group=S)
+        30.0, "seconds SIGTERM waits for in-flight requests; then they end with a 503 (streams: an "
+        "error event and [DONE])", group=S)
+    disable_fastapi_docs: bool = setting(
+        False, "do not serve /docs, /redoc, /openapi.json (with --api-key they need the key)", group=S)
     log_level: str = setting("info", "uvicorn log level", group=S,
                              choices=("critical", "error", "warning", "info", "debug"))
 

@@ -9,10 +9,12 @@
         └── OutputStream.queue (asyncio) ◀──────  loop.call_soon_threadsafe(put outputs)
 
 Only the engine thread touches the ``LLMEngine`` (it is not thread-safe), so the event loop never
-blocks on a model step and every connection shares one continuous batch. A step that raises
-fails the requests that were in flight (their streams get the error, their blocks are freed) and
-the loop keeps serving; an unexpected error in the loop itself marks the engine dead (health
-turns 503) and fails every waiting stream rather than leaving them hanging.
+blocks on a model step and every connection shares one continuous batch. A request that goes bad
+inside a step is ended by the engine alone (finish_reason "error"); a step that raises fails the
+requests that were in flight (their streams get the error, their blocks are freed) and the loop
+keeps serving; an unexpected error in the loop itself marks the engine dead (health turns 503)
+and fails every waiting stream rather than leaving them hanging. The errors carry detail for the
+server log; clients are told only the kind of failure (``serving.engine_failure``).
 """
 
 from __future__ import annotations
@@ -39,8 +41,16 @@ class EngineError(RuntimeError):
     """The engine could not finish a request (a failed step, shutdown, a dead engine loop)."""
 
 
+class EngineUnavailable(EngineError):
+    """The engine loop is not running (stopped, or dead after a fatal failure)."""
+
+
 class RequestAborted(EngineError):
-    pass
+    """Aborted by the server (its client went away)."""
+
+
+class ServerShuttingDown(RequestAborted):
+    """The server stopped (or its drain deadline passed) before the request finished."""
 
 
 # A prompt, or a function run on the engine thread that makes one (tokenizing there keeps the
@@ -145,7 +155,8 @@ class AsyncEngine:
         """Queue a request; returns once the engine accepted it (its outputs then arrive on
         ``stream``). Raises the engine's ``ValueError`` if it refused the request."""
         if not self.is_running:
-            raise EngineError(f"the engine is not running ({self.dead or 'stopped'})")
+            raise EngineUnavailable(f"the engine is not running ({self.dead!r})" if self.dead else
+                                    "the engine is not running (stopped)")
         assert self._loop is not None
         accepted: asyncio.Future[None] = self._loop.create_future()
         self._commands.put(_Add(request_id, prompt, params, priority, stream, accepted))
@@ -164,6 +175,11 @@ class AsyncEngine:
         for rid in list(stream.pending):
             self.abort(rid)
         stream.pending.clear()
+
+    def fail_in_flight(self, error: EngineError) -> None:
+        """End every request in flight with ``error``; their blocks are freed (thread-safe; the
+        drain deadline's last word)."""
+        self._commands.put(_Call(lambda _: self._fail_all(error), concurrent.futures.Future()))
 
     def call_sync(self, fn: Callable[[LLMEngine], Any], timeout: float | None = 30.0) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps and return its result (for
@@ -187,7 +203,7 @@ class AsyncEngine:
             self._fail_all(EngineError(f"the engine loop died: {type(e).__name__}: {e}"))
             raise
         finally:
-            self._fail_all(RequestAborted("the server is shutting down"))
+            self._fail_all(ServerShuttingDown("the server is shutting down"))
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if ``block``); False once asked to stop."""
@@ -262,7 +278,8 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
-            logger.exception("engine step failed; failing %d in-flight requests", len(self._streams))
+            logger.exception("engine step failed; failing the %d requests in flight: %s",
+                             len(self._streams), ", ".join(sorted(self._streams)))
             self._fail_all(EngineError(f"the engine step failed: {type(e).__name__}: {e}"))
             if getattr(e, "fatal", False):  # e.g. a dead tensor-parallel worker: /health -> 503
                 self.dead = e

@@ -32,10 +32,9 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from pagedllm.engine import LLMEngine
     from pagedllm.server.api import ServerLimits, build_app
+    from pagedllm.server.drain import DrainingServer
 
     srv = ServerArgs.from_cli(args)
     engine_args = EngineArgs.from_cli(args)
@@ -44,12 +43,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = srv.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     engine = LLMEngine.from_engine_args(engine_args)
     app = build_app(engine, model_name=srv.served_model_name, api_key=api_key,
-                    limits=ServerLimits.from_args(srv), batch_wait_ms=srv.batch_wait_ms)
+                    limits=ServerLimits.from_args(srv), batch_wait_ms=srv.batch_wait_ms,
+                    disable_docs=srv.disable_fastapi_docs)
     if srv.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {srv.host} without --api-key", flush=True)
-    # uvicorn handles SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to
-    # --drain-timeout, then the app's lifespan aborts what is left and stops the engine. uvicorn
-    # re-raises the signal afterwards to the handler it found; a no-op one makes the drain exit 0.
+    # SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to --drain-timeout,
+    # then end the rest with a 503 (server/drain.py) and stop the engine. uvicorn re-raises the
+    # signal afterwards to the handler it found; a no-op one makes the drain exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     # Bind here, not in uvicorn, so that --port 0 can report the port the OS picked (no
@@ -59,7 +59,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock.bind((srv.host, srv.port))
     host = f"[{srv.host}]" if ":" in srv.host else srv.host
     print(f"pagedllm serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True)
-    config = uvicorn.Config(app, log_level=srv.log_level,
-                            timeout_graceful_shutdown=srv.drain_timeout)  # type: ignore[arg-type]  # a float works
-    uvicorn.Server(config).run(sockets=[sock])
-    return 0
+    server = DrainingServer(app, srv.drain_timeout, log_level=srv.log_level)
+    server.run(sockets=[sock])
+    return 0 if server.started else 3  # uvicorn's STARTUP_FAILURE

@@ -3,8 +3,9 @@ the streamed ``/v1/completions`` and ``/v1/chat/completions`` bodies: one delta 
 (``stream_deltas``) over the engine's DELTA outputs, shaped per endpoint (``CompletionChunks``,
 ``ChatChunks``).
 
-A stream yields only new text per choice, ends with ``data: [DONE]``, turns an engine failure into
-a final error event, and aborts its requests when it stops early (the client went away).
+A stream yields only new text per choice, ends with ``data: [DONE]``, turns an engine failure (or
+a request the engine ended with finish_reason "error") into a final error event before
+``[DONE]``, and aborts its requests when it stops early (the client went away).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pagedllm.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from pagedllm.server.serving import _Server
+from pagedllm.server.serving import APIError, _Server, engine_failure
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 
@@ -98,8 +99,8 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _error_event(e: BaseException) -> str:
-    body = ErrorResponse(error=ErrorInfo(message=str(e), type="server_error", code="engine_error"))
+def _error_event(e: APIError) -> str:
+    body = ErrorResponse(error=ErrorInfo(message=e.message, type=e.type, param=e.param, code=e.code))
     return _sse(body) + "data: [DONE]\n\n"
 
 
@@ -184,6 +185,9 @@ async def stream_deltas(srv: _Server, stream: OutputStream, chunks: _Chunks,
             yield _sse(head)
         async for out in stream:
             prompt_tokens[out.request_id] = len(out.prompt_token_ids)
+            if any(c.finish_reason == "error" for c in out.outputs):
+                yield _error_event(engine_failure(EngineError("a request failed in a step"), chunks.rid))
+                return
             for c in out.outputs:
                 key = (out.request_id, c.index)
                 offset = sent.get(key)
@@ -194,6 +198,6 @@ async def stream_deltas(srv: _Server, stream: OutputStream, chunks: _Chunks,
             yield _sse(chunks.usage(_usage(sum(prompt_tokens.values()), completion_tokens)))
         yield "data: [DONE]\n\n"
     except EngineError as e:
-        yield _error_event(e)
+        yield _error_event(engine_failure(e, chunks.rid))
     finally:
         srv.async_engine.abort_stream(stream)

@@ -1,10 +1,11 @@
 """Request handling for the OpenAI app: everything between a raw request and the engine.
 
 ``ServerLimits`` and ``APIError`` (an OpenAI-shaped refusal); reading a body by hand (size limit,
-strict UTF-8, strict JSON) and validating it against ``protocol``'s strict models; ``_Server``, the
-per-app state that checks auth and model name, turns request fields into ``SamplingParams``,
-submits to the ``AsyncEngine`` and collects a non-streamed answer (aborting if the client goes
-away); and the prompt sources, which tokenize and check length on the engine thread.
+strict UTF-8, strict JSON, no lone surrogates) and validating it against ``protocol``'s strict
+models; ``_Server``, the per-app state that checks auth and model name, turns request fields into
+``SamplingParams``, submits to the ``AsyncEngine`` and collects a non-streamed answer (aborting if
+the client goes away); ``engine_failure``, what a client is told when the engine fails. The
+prompt sources, which tokenize and check length on the engine thread, are in ``prompts``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hmac
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,14 +24,27 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from pagedllm.engine import LLMEngine, PromptType
+from pagedllm.checks import lone_surrogate
+from pagedllm.config import default_model_path
+from pagedllm.engine import LLMEngine
+from pagedllm.logging_utils import init_logger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.server.args import ServerArgs
-from pagedllm.server.async_engine import AsyncEngine, EngineError, OutputStream, PromptSource
+from pagedllm.server.async_engine import (
+    AsyncEngine,
+    EngineError,
+    EngineUnavailable,
+    OutputStream,
+    PromptSource,
+    ServerShuttingDown,
+)
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import ErrorInfo, ErrorResponse, _SamplingFields
 
+logger = init_logger(__name__)
+
+DEFAULT_MODEL_NAME = "default_model"  # the shipped model's name in the API (never its path)
 MAX_SEED = 2**63 - 1024  # room for seed + i over n samples inside torch's int64 range
 
 
@@ -63,6 +78,33 @@ class APIError(Exception):
 
 class _ClientGone(Exception):
     pass
+
+
+class _FieldError(ValueError):
+    """A refusal found on the engine thread that names its request field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def served_model_name(model: str) -> str:
+    """The API name of a model by default: the path as given, ``default_model`` for the shipped one."""
+    return DEFAULT_MODEL_NAME if Path(model).resolve() == Path(default_model_path()) else model
+
+
+def engine_failure(e: BaseException, request_id: str) -> APIError:
+    """What a client is told when the engine could not finish its request: what kind of failure
+    and its request id, never the exception (paths, PIDs, hosts stay in the server log)."""
+    if isinstance(e, ServerShuttingDown):
+        return APIError(503, f"the server is shutting down and could not finish this request in "
+                        f"time (request id {request_id}); retry it", type="server_error",
+                        code="server_shutting_down")
+    if isinstance(e, EngineUnavailable):
+        return APIError(503, f"the engine is not running (request id {request_id}); the server log "
+                        f"has the details", type="server_error", code="engine_unavailable")
+    return APIError(500, f"the engine failed while running this request (request id {request_id}); "
+                    f"the server log has the details", type="server_error", code="engine_error")
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -100,7 +142,28 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
                        code="invalid_json") from None
     if not isinstance(obj, dict):
         raise APIError(400, "the request body must be a JSON object", param="body", code="invalid_json")
+    for path, text in _strings(obj, ()):
+        where = lone_surrogate(text)
+        if where is not None:  # JSON's \ud800 escapes decode to text no tokenizer can encode
+            name = ".".join(path) or "body"
+            raise APIError(400, f"{name} contains a lone UTF-16 surrogate ({where}); send valid "
+                           f"Unicode text", param=path[0] if path else "body", code="invalid_encoding")
     return obj
+
+
+def _strings(obj: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], str]]:
+    """Every string in a parsed JSON value (keys too), with where it is."""
+    stack = [(path, obj)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            yield where, v
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                yield (*where, k), k
+                stack.append(((*where, k), x))
+        elif isinstance(v, list):
+            stack.extend(((*where, str(i)), x) for i, x in enumerate(v))
 
 
 def _validate(model: type[M], body: dict[str, Any]) -> M:
@@ -207,41 +270,46 @@ class _Server:
             msg = str(e)
             if param == "max_tokens" and max_tokens_field != "max_tokens":
                 param = max_tokens_field
+                msg = msg.replace("max_tokens=", f"{max_tokens_field}=", 1)
             if param == "logprobs":
                 param = logprobs_field
                 msg = msg.replace("logprobs=", f"{logprobs_field}=", 1)
             raise APIError(400, msg, param=param) from None
 
-    def prompt_checker(self, ids: list[int], param: str) -> None:
-        lim = self.limits.max_prompt_tokens
-        if lim is not None and len(ids) > lim:
-            raise ValueError(f"{param} has {len(ids)} tokens; this server accepts at most {lim} "
-                             f"(--max-prompt-tokens)")
-
     # -- submission --------------------------------------------------------------------------------
     async def submit(self, base_id: str, prompts: list[PromptSource], params: SamplingParams,
-                     priority: int, param: str) -> tuple[OutputStream, list[str]]:
+                     req: _SamplingFields, param: str) -> tuple[OutputStream, list[str]]:
+        """Queue one engine request per prompt (``base_id-i``). A refusal is a 400 naming the
+        field (``param``, the prompt's, unless the engine's message names a request field)."""
         stream = OutputStream()
         ids: list[str] = []
         try:
             for i, p in enumerate(prompts):
                 rid = f"{base_id}-{i}"
-                await self.async_engine.add_request(rid, p, params, stream, priority)
+                await self.async_engine.add_request(rid, p, params, stream, req.priority)
                 ids.append(rid)
         except ValueError as e:
             self.async_engine.abort_stream(stream)
-            raise APIError(400, str(e), param=param, code="invalid_prompt") from None
+            named = getattr(e, "param", None) or _field_of(str(e))
+            field = named if named in type(req).model_fields else param
+            raise APIError(400, str(e), param=field, code="invalid_prompt") from None
         except EngineError as e:
             self.async_engine.abort_stream(stream)
-            raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
+            logger.warning("request %s refused: %s", base_id, e)
+            raise engine_failure(e, base_id) from None
+        except Exception:
+            self.async_engine.abort_stream(stream)
+            logger.exception("request %s failed while it was prepared", base_id)
+            raise engine_failure(EngineError("preparation failed"), base_id) from None
         except BaseException:
             self.async_engine.abort_stream(stream)
             raise
         return stream, ids
 
-    async def collect(self, request: Request, stream: OutputStream) -> dict[str, RequestOutput]:
+    async def collect(self, request: Request, stream: OutputStream, base_id: str) -> dict[str, RequestOutput]:
         """Wait for the final outputs (the deltas added up); abort everything if the client
-        disconnects first."""
+        disconnects first. An engine failure, or a request the engine ended with
+        finish_reason "error", is a 5xx naming ``base_id`` only."""
         final: dict[str, RequestOutput] = {}
 
         async def consume() -> None:
@@ -260,7 +328,9 @@ class _Server:
                 try:
                     consumer.result()
                 except EngineError as e:
-                    raise APIError(500, str(e), type="server_error", code="engine_error") from None
+                    raise engine_failure(e, base_id) from None
+                if any(c.finish_reason == "error" for out in final.values() for c in out.outputs):
+                    raise engine_failure(EngineError("a request failed in a step"), base_id)
                 return final
             raise _ClientGone()
         finally:
@@ -274,65 +344,3 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-# -- prompt sources -------------------------------------------------------------------------------
-
-
-def _completion_prompts(srv: _Server, prompt: str | list[str] | list[int] | list[list[int]]
-                        ) -> tuple[list[str], list[PromptSource]]:
-    """(texts for echo, prompt sources). Strings are tokenized on the engine thread."""
-    items: list[str | list[int]]
-    if isinstance(prompt, str):
-        items = [prompt]
-    elif not prompt:
-        raise APIError(400, "prompt is empty", param="prompt")
-    elif all(isinstance(p, int) for p in prompt):
-        items = [prompt]  # type: ignore[list-item]
-    else:
-        items = list(prompt)  # type: ignore[arg-type]
-    if len(items) > srv.limits.max_prompts:
-        raise APIError(400, f"{len(items)} prompts in one request; the limit is {srv.limits.max_prompts}",
-                       param="prompt")
-    texts, sources = [], []
-    for item in items:
-        if isinstance(item, str):
-            texts.append(item)
-            sources.append(_text_prompt(srv, item, True, "prompt"))
-        else:
-            texts.append("")
-            sources.append(_ids_prompt(srv, list(item)))
-    return texts, sources
-
-
-def _text_prompt(srv: _Server, text: str, add_special_tokens: bool, param: str) -> PromptSource:
-    def prepare(engine: LLMEngine) -> PromptType:
-        ids = engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        srv.prompt_checker(ids, param)
-        return {"prompt_token_ids": ids}
-
-    return prepare
-
-
-def _ids_prompt(srv: _Server, ids: list[int]) -> PromptSource:
-    def prepare(engine: LLMEngine) -> PromptType:
-        srv.prompt_checker(ids, "prompt")
-        return {"prompt_token_ids": ids}
-
-    return prepare
-
-
-def _chat_prompt(srv: _Server, messages: list[dict[str, Any]], add_generation_prompt: bool) -> PromptSource:
-    def prepare(engine: LLMEngine) -> PromptType:
-        tok = engine.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat_template; use /v1/completions")
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception) are bad input
-            raise ValueError(f"the chat template rejected these messages: {e}") from None
-        ids = tok.encode(text, add_special_tokens=False)
-        srv.prompt_checker(ids, "messages")
-        return {"prompt_token_ids": ids}
-
-    return prepare

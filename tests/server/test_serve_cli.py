@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -41,7 +44,8 @@ def test_config_file_fills_defaults_and_cli_wins(tmp_path: Path) -> None:
 
 def test_serve_subprocess_end_to_end(chat_model: Path, tmp_path: Path) -> None:
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text("block-size: 4\nnum_kv_blocks: 128\nmax-model-len: 64\nserved-model-name: tiny-cli\n")
+    cfg.write_text("block-size: 4\nnum_kv_blocks: 256\nmax-model-len: 512\nserved-model-name: tiny-cli\n"
+                   "max-num-seqs: 1\ndrain-timeout: 1\n")
     with serve_process(str(chat_model), "--config", str(cfg), "--api-key", "sk-cli",
                        "--log-level", "warning") as (proc, base):
         client = OpenAI(base_url=base + "/v1", api_key="sk-cli", max_retries=0)
@@ -50,13 +54,56 @@ def test_serve_subprocess_end_to_end(chat_model: Path, tmp_path: Path) -> None:
                                       extra_body={"ignore_eos": True})
         assert r.choices[0].finish_reason == "length" and len(r.choices[0].text.split()) == 4
         assert httpx.post(base + "/v1/completions", json={"prompt": "t5"}).status_code == 401
-        # SIGTERM drains: an in-flight stream still finishes, then the server exits 0
-        body = {"prompt": "t5 t6", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+        # SIGTERM drains: the in-flight stream still finishes; what --drain-timeout (1 s) cannot
+        # finish (12 requests of 480 tokens queued behind it, one at a time) ends cleanly: a 503
+        # JSON body, or an error event and [DONE] on a stream; then the server exits 0.
         headers = {"Authorization": "Bearer sk-cli"}
-        with httpx.stream("POST", base + "/v1/completions", json=body, headers=headers, timeout=30) as s:
+        body = {"prompt": "t5 t6", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+        long = {"prompt": "t7 t8", "max_tokens": 480, "ignore_eos": True}
+        with ThreadPoolExecutor(12) as pool, \
+                httpx.stream("POST", base + "/v1/completions", json=body, headers=headers, timeout=30) as s:
             lines = s.iter_lines()
             assert next(lines).startswith("data: {")
+            futures = [pool.submit(_drained, base, headers, {**long, "stream": i % 2 == 1}) for i in range(12)]
+            deadline = time.monotonic() + 30
+            while _in_flight(base) < 12:  # all 12 are in (queued behind the stream)
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line]
+            ends = [f.result() for f in futures]
         assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
+        assert "503" in ends and "error event" in ends, ends
+        assert set(ends) <= {"503", "error event", "finished"}, ends
         assert proc.wait(timeout=30) == 0
+
+
+def _in_flight(base: str) -> float:
+    text = httpx.get(base + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(("pagedllm:num_requests_running", "pagedllm:num_requests_waiting")))
+
+
+def _drained(base: str, headers: dict[str, str], body: dict) -> str:
+    """How a request ended during the drain: "finished", "503" (a JSON body saying the server is
+    shutting down) or "error event" (a stream's last event before [DONE]); else what it got."""
+    if not body["stream"]:
+        r = httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=60)
+        if r.status_code == 503:
+            err = r.json()["error"]
+            assert err["code"] == "server_shutting_down" and "request id cmpl-" in err["message"], err
+            return "503"
+        return "finished" if r.status_code == 200 else f"{r.status_code}: {r.text[:200]}"
+    events: list[str] = []
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json=body, headers=headers, timeout=60) as s:
+            events += [line for line in s.iter_lines() if line]
+    except httpx.TransportError as e:
+        return f"cut: {e!r}"
+    if events[-1:] != ["data: [DONE]"]:
+        return f"cut: {events[-2:]}"
+    last = json.loads(events[-2][len("data: "):])
+    if "error" in last:
+        assert last["error"]["code"] == "server_shutting_down", last
+        return "error event"
+    return "finished" if last["choices"][0]["finish_reason"] else f"no finish: {last}"

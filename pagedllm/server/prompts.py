@@ -1,0 +1,98 @@
+"""Prompt sources for the OpenAI app: a completion prompt (text, ids, or a batch of them) or a
+chat conversation becomes functions run on the engine thread, which tokenize (the tokenizer stays
+single-threaded, the event loop free) and check the prompt against --max-prompt-tokens and the
+context."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.engine import LLMEngine, PromptType
+from pagedllm.server.async_engine import PromptSource
+from pagedllm.server.serving import APIError, _FieldError, _Server
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The request's explicit output budget and the field that set it (checked against the
+    context once the prompt's length is known)."""
+
+    max_tokens: int | None
+    field: str = "max_tokens"
+
+
+def _check_prompt(srv: _Server, ids: list[int], param: str, budget: Budget) -> None:
+    """On the engine thread, once the prompt's length is known: --max-prompt-tokens, and the
+    prompt plus an explicit max_tokens must fit the context (vLLM's message)."""
+    lim = srv.limits.max_prompt_tokens
+    if lim is not None and len(ids) > lim:
+        raise ValueError(f"{param} has {len(ids)} tokens; this server accepts at most {lim} "
+                         f"(--max-prompt-tokens)")
+    total = len(ids) + (budget.max_tokens or 0)
+    if budget.max_tokens is not None and total > srv.max_model_len:
+        raise _FieldError(
+            f"This model's maximum context length is {srv.max_model_len} tokens. However, you "
+            f"requested {budget.max_tokens} output tokens and your prompt contains {len(ids)} "
+            f"input tokens, for a total of {total} tokens. Please reduce the length of the "
+            f"input prompt or the number of requested output tokens.", budget.field)
+
+
+def _completion_prompts(srv: _Server, prompt: str | list[str] | list[int] | list[list[int]],
+                        budget: Budget) -> tuple[list[str], list[PromptSource]]:
+    """(texts for echo, prompt sources). Strings are tokenized on the engine thread."""
+    items: list[str | list[int]]
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif not prompt:
+        raise APIError(400, "prompt is empty", param="prompt")
+    elif all(isinstance(p, int) for p in prompt):
+        items = [prompt]  # type: ignore[list-item]
+    else:
+        items = list(prompt)  # type: ignore[arg-type]
+    if len(items) > srv.limits.max_prompts:
+        raise APIError(400, f"{len(items)} prompts in one request; the limit is {srv.limits.max_prompts}",
+                       param="prompt")
+    texts, sources = [], []
+    for item in items:
+        if isinstance(item, str):
+            texts.append(item)
+            sources.append(_text_prompt(srv, item, budget))
+        else:
+            texts.append("")
+            sources.append(_ids_prompt(srv, list(item), budget))
+    return texts, sources
+
+
+def _text_prompt(srv: _Server, text: str, budget: Budget) -> PromptSource:
+    def prepare(engine: LLMEngine) -> PromptType:
+        ids = engine.tokenizer.encode(text)
+        _check_prompt(srv, ids, "prompt", budget)
+        return {"prompt_token_ids": ids}
+
+    return prepare
+
+
+def _ids_prompt(srv: _Server, ids: list[int], budget: Budget) -> PromptSource:
+    def prepare(engine: LLMEngine) -> PromptType:
+        _check_prompt(srv, ids, "prompt", budget)
+        return {"prompt_token_ids": ids}
+
+    return prepare
+
+
+def _chat_prompt(srv: _Server, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                 budget: Budget) -> PromptSource:
+    def prepare(engine: LLMEngine) -> PromptType:
+        tok = engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat_template; use /v1/completions")
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception) are bad input
+            raise ValueError(f"the chat template rejected these messages: {e}") from None
+        ids = tok.encode(text, add_special_tokens=False)
+        _check_prompt(srv, ids, "messages", budget)
+        return {"prompt_token_ids": ids}
+
+    return prepare
