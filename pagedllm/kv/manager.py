@@ -19,9 +19,17 @@ stored ``(parent, token_ids, extra_keys)`` is still compared on every hit, so a 
 value itself never produces a wrong hit. Values are also stable across processes (no hash seed).
 Cost: ~1 µs per full block, paid once per block.
 
+Sliding-window models (kv/window.py): blocks that fall wholly behind every later query's window
+are freed as the request advances (``free_outside_window``). The table then starts at an offset:
+``_tables`` holds the blocks still held and ``_skipped`` counts the freed positions before them,
+so token t lives in held block ``t // block_size - skipped``. Freed blocks are never hashed
+(a block is hashed when it fills, before it can leave the window), and a prefix hit needs only
+the blocks inside the window of its first uncomputed token.
+
 The manager holds its parts: the ``BlockPool`` (blocks, free queue, hash index, pool size), a
-``CopyOnWrite`` (shared partial blocks and pending copies, kv/sharing.py) and a ``HostTier``
-(swap plans, kv/host_tier.py). Tracing (kv/trace.py) wraps its public calls from outside.
+``CopyOnWrite`` (shared partial blocks and pending copies, kv/sharing.py), a ``HostTier``
+(swap plans, kv/host_tier.py) and a ``SlidingWindow`` (kv/window.py). Tracing (kv/trace.py)
+wraps its public calls from outside.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from pagedllm.kv.block_pool import BlockHash, BlockPool, KVBlock
 from pagedllm.kv.host_tier import HostTier
 from pagedllm.kv.prefix import PrefixCacheStats, PrefixHit
 from pagedllm.kv.sharing import CopyOnWrite
+from pagedllm.kv.window import SlidingWindow
 
 __all__ = ["KVCacheManager", "PrefixCacheStats", "PrefixHit", "hash_block_tokens"]
 
@@ -63,7 +72,10 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True, num_host_blocks: int = 0) -> None:
+                 enable_prefix_caching: bool = True, num_host_blocks: int = 0,
+                 sliding_window: int | None = None) -> None:
+        """``sliding_window``: every layer attends to its last this many positions, so blocks
+        that leave the window are freed (None: every block is kept)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -71,11 +83,16 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.cow = CopyOnWrite()
         self.host = HostTier(num_host_blocks)
+        self.window = None if sliding_window is None else SlidingWindow(sliding_window, block_size)
         self.stats = PrefixCacheStats()
-        self._tables: dict[str, list[KVBlock]] = {}
-        # hashes of the table's leading full blocks; swapped-out requests keep theirs
-        self._hashes: dict[str, list[BlockHash]] = {}
+        self._tables: dict[str, list[KVBlock]] = {}  # the blocks held, in token order
+        # leading positions freed behind the window (the table's offset); kept while swapped out
+        self._skipped: dict[str, int] = {}
+        # hashes of the leading full blocks, by position (None: skipped by a windowed prefix
+        # hit, unknown); swapped-out requests keep theirs
+        self._hashes: dict[str, list[BlockHash | None]] = {}
         self._pins: list[str] = []  # pseudo-requests holding pinned (preheated) prefix blocks
+        self.num_window_freed = 0  # blocks freed behind the sliding window, in all
         self._max_blocks = num_blocks
         self.tracer: object | None = None  # the KVTracer recording this manager (kv/trace.py)
 
@@ -103,20 +120,33 @@ class KVCacheManager:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._tables
 
-    def block_table(self, request_id: str) -> list[int]:
-        """A copy of the request's block ids, in token order."""
+    @property
+    def sliding_window(self) -> int | None:
+        return None if self.window is None else self.window.window
+
+    def _held(self, request_id: str) -> list[KVBlock]:
         table = self._tables.get(request_id)
         if table is None:
             raise KeyError(f"no blocks allocated for request {request_id!r}")
-        return [b.block_id for b in table]
+        return table
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's block ids by position (a copy): what the runner is given.
+
+        A position freed behind the sliding window reads as the request's first held block: every
+        entry names a block the request holds, so a backend that gathers such a position (it is
+        always masked out) reads this request's own K/V, never a freed block being rewritten."""
+        ids = [b.block_id for b in self._held(request_id)]
+        k = self._skipped[request_id]
+        return [ids[0]] * k + ids if k and ids else ids
 
     def num_blocks_of(self, request_id: str) -> int:
-        """Device blocks the request holds (0 if none)."""
+        """Device blocks the request holds (0 if none; placeholders not counted)."""
         table = self._tables.get(request_id)
         return 0 if table is None else len(table)
 
     def num_shared_blocks_of(self, request_id: str) -> int:
-        """Leading blocks of the request's table that others hold too (ref count > 1): prefix
+        """Leading held blocks of the request's table that others hold too (ref count > 1): prefix
         hits and forks share a table's head, so the count stops at the first private block."""
         n = 0
         for b in self._tables.get(request_id, ()):
@@ -125,8 +155,16 @@ class KVCacheManager:
             n += 1
         return n
 
-    def block_hashes(self, request_id: str) -> list[BlockHash]:
-        """A copy of the hashes of the request's leading full, computed blocks."""
+    def held_blocks(self, request_id: str) -> list[int]:
+        """Ids of the blocks the request holds, in token order (no placeholders)."""
+        return [b.block_id for b in self._held(request_id)]
+
+    def num_skipped_blocks(self, request_id: str) -> int:
+        """Leading positions of the table whose blocks were freed behind the sliding window."""
+        return self._skipped[request_id]
+
+    def block_hashes(self, request_id: str) -> list[BlockHash | None]:
+        """A copy of the hashes of the request's leading full, computed blocks, by position."""
         return list(self._hashes.get(request_id, ()))
 
     # -- prefix lookup ------------------------------------------------------------------------
@@ -139,18 +177,21 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return PrefixHit([], 0)
         bs = self.block_size
-        blocks: list[int] = []
-        hashes: list[BlockHash] = []
+        found: list[tuple[BlockHash, KVBlock | None]] = []
         parent: BlockHash | None = None
         for i in range(max(len(token_ids) - 1, 0) // bs):
-            h = make_block_hash(parent, token_ids[i * bs:(i + 1) * bs], extra_keys)
-            block = self.pool.get_cached_block(h)
-            if block is None:
-                break
-            blocks.append(block.block_id)
-            hashes.append(h)
-            parent = h
-        hit = PrefixHit(blocks, len(blocks) * bs, tuple(hashes))
+            parent = make_block_hash(parent, token_ids[i * bs:(i + 1) * bs], extra_keys)
+            found.append((parent, self.pool.get_cached_block(parent)))
+            if found[-1][1] is None and self.window is None:
+                break  # full attention: the chain must be cached from its first block
+        if self.window is None:
+            n, skip = sum(1 for _, b in found if b is not None), 0
+        else:  # only the blocks inside the window of the first uncomputed token are needed
+            n = self.window.longest_hit([b is not None for _, b in found])
+            skip = self.window.first_needed_block(n * bs)
+        held = found[skip:n]
+        hit = PrefixHit([b.block_id for _, b in held if b is not None], n * bs,
+                        tuple(h for h, _ in held), skip)
         if record_stats:
             self.record_prefix_query(len(token_ids), hit.num_tokens)
         return hit
@@ -166,10 +207,10 @@ class KVCacheManager:
         """Free blocks ``allocate_slots(request_id, num_total_tokens, prefix)`` would consume
         (new blocks plus prefix blocks that are currently cached-evictable)."""
         table = self._tables.get(request_id)
-        have = len(table) if table is not None else 0
+        have = len(table) + self._skipped[request_id] if table is not None else 0  # positions
         revive = 0
         if table is None and prefix is not None:
-            have = len(prefix.blocks)
+            have = prefix.num_skipped + len(prefix.blocks)
             revive = sum(1 for i in prefix.blocks if self.pool.blocks[i].ref_cnt == 0)
         cow = 1 if table is not None and self.cow.needs_copy(request_id, table) else 0
         return max(0, -(-num_total_tokens // self.block_size) - have) + revive + cow
@@ -180,7 +221,7 @@ class KVCacheManager:
         all) if the pool lacks free blocks. ``prefix`` is only accepted on the first call."""
         table = self._tables.get(request_id)
         hit: list[KVBlock] = []
-        hit_hashes: list[BlockHash] = []
+        hit_hashes: list[BlockHash | None] = []
         if prefix is not None and prefix.blocks:
             if table is not None:
                 raise ValueError(f"request {request_id!r} already has blocks; a prefix hit "
@@ -191,25 +232,33 @@ class KVCacheManager:
         if table is None:
             self.pool.touch(hit)  # before get_new_blocks, so our own prefix is not evicted
             table = self._tables[request_id] = list(hit)
-            self._hashes[request_id] = hit_hashes
+            skip = prefix.num_skipped if prefix is not None and hit else 0
+            self._skipped[request_id] = skip
+            unknown: list[BlockHash | None] = [None] * skip
+            self._hashes[request_id] = unknown + hit_hashes
         self.cow.before_write(request_id, table, self.pool)
-        n_new = -(-num_total_tokens // self.block_size) - len(table)
+        n_new = -(-num_total_tokens // self.block_size) - len(table) - self._skipped[request_id]
         if n_new > 0:
             table.extend(self.pool.get_new_blocks(n_new))
         return True
 
     def _validate_prefix(self, prefix: PrefixHit,
-                         num_total_tokens: int) -> tuple[list[KVBlock], list[BlockHash]]:
+                         num_total_tokens: int) -> tuple[list[KVBlock], list[BlockHash | None]]:
         if not self.enable_prefix_caching:
             raise ValueError("prefix hit passed while prefix caching is disabled")
-        if prefix.num_tokens != len(prefix.blocks) * self.block_size:
-            raise ValueError(f"prefix covers {len(prefix.blocks)} blocks but claims "
+        positions = prefix.num_skipped + len(prefix.blocks)
+        if prefix.num_tokens != positions * self.block_size:
+            raise ValueError(f"prefix covers {positions} blocks but claims "
                              f"{prefix.num_tokens} tokens")
+        if prefix.num_skipped and (self.window is None or prefix.num_skipped
+                                   > self.window.first_needed_block(prefix.num_tokens)):
+            raise ValueError(f"prefix skips {prefix.num_skipped} blocks that the sliding window "
+                             f"({self.sliding_window}) still needs")
         if num_total_tokens < prefix.num_tokens:
             raise ValueError(f"num_total_tokens={num_total_tokens} is below the prefix hit's "
                              f"{prefix.num_tokens} tokens")
         blocks = [self.pool.blocks[i] for i in prefix.blocks]
-        hashes: list[BlockHash] = []
+        hashes: list[BlockHash | None] = []
         for i, b in enumerate(blocks):
             h = b.block_hash
             if h is None or (prefix.hashes and h != prefix.hashes[i]):
@@ -232,20 +281,44 @@ class KVCacheManager:
         if table is None:
             return
         hashes = self._hashes[request_id]
-        bs = self.block_size
-        num_full = min(num_computed_tokens, len(token_ids), len(table) * bs) // bs
+        bs, skip = self.block_size, self._skipped[request_id]
+        num_full = min(num_computed_tokens, len(token_ids), (skip + len(table)) * bs) // bs
         start = len(hashes)
+        if start and hashes[-1] is None:
+            return  # the chain's parent is unknown (a replayed windowed hit): cannot extend it
         for i in range(start, num_full):
             h = make_block_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs],
                                 extra_keys)
-            self.pool.cache_block(table[i], h)
+            if i >= skip:  # a block freed behind the window is never hashed into the index
+                self.pool.cache_block(table[i - skip], h)
             hashes.append(h)
+
+    def free_outside_window(self, request_id: str, num_computed_tokens: int) -> int:
+        """Free the request's blocks that lie wholly before the sliding window of every token
+        after its first ``num_computed_tokens`` (call once they are computed and hashed: after
+        ``cache_blocks``). Returns how many blocks were freed; 0 without a window. The oldest
+        goes to the free queue first (evicted first). Unknown ids are ignored."""
+        table = self._tables.get(request_id)
+        if self.window is None or table is None:
+            return 0
+        skip = self._skipped[request_id]
+        n = min(self.window.first_needed_block(num_computed_tokens) - skip, len(table) - 1)
+        if n <= 0:
+            return 0
+        gone = table[:n]
+        del table[:n]
+        self._skipped[request_id] = skip + n
+        self.cow.shift(request_id, n)
+        self.pool.free_blocks(gone)
+        self.num_window_freed += n
+        return n
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first: among its cached blocks the deepest
         is evicted first. Unknown ids are a no-op."""
         table = self._tables.pop(request_id, None)
         self._hashes.pop(request_id, None)
+        self._skipped.pop(request_id, None)
         self.host.drop(request_id)
         self.cow.forget(request_id, table)
         if table is not None:
@@ -265,13 +338,18 @@ class KVCacheManager:
         parent = self._tables.get(parent_id)
         if parent is None:
             raise KeyError(f"no blocks allocated for request {parent_id!r}")
-        n_blocks = -(-num_tokens // self.block_size)
+        skip = self._skipped[parent_id]
+        n_blocks = -(-num_tokens // self.block_size) - skip  # of the parent's held blocks
         if n_blocks > len(parent):
             raise ValueError(f"fork at {num_tokens} tokens but {parent_id!r} holds "
-                             f"{len(parent)} blocks")
+                             f"{skip + len(parent)} blocks")
+        if n_blocks < 1:
+            raise ValueError(f"fork at {num_tokens} tokens: {parent_id!r} freed those blocks "
+                             "behind its sliding window")
         shared = parent[:n_blocks]
         self.pool.touch(shared)
         self._tables[child_id] = list(shared)
+        self._skipped[child_id] = skip
         self._hashes[child_id] = self._hashes[parent_id][:num_tokens // self.block_size]
         if num_tokens % self.block_size:
             self.cow.mark(child_id, n_blocks - 1)
@@ -293,6 +371,12 @@ class KVCacheManager:
         assert self.allocate_slots(pin_id, hit.num_tokens, hit), "pinning takes no free block"
         self._pins.append(pin_id)
         return len(hit.blocks)
+
+    @property
+    def max_held_blocks(self) -> int:
+        """The most blocks any one request holds now (pins excluded)."""
+        pins = set(self._pins)
+        return max((len(t) for r, t in self._tables.items() if r not in pins), default=0)
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -317,8 +401,9 @@ class KVCacheManager:
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
         """Move the request's blocks to the host tier: (device, host) pairs to copy, or None
-        (nothing changed) if the host tier lacks room. The request keeps its computed count and
-        its prefix hashes; its device blocks are freed (shared ones stay with their holders)."""
+        (nothing changed) if the host tier lacks room. The request keeps its computed count, its
+        prefix hashes and its sliding-window offset; its device blocks are freed (shared ones
+        stay with their holders)."""
         table = self._tables.get(request_id)
         if table is None:
             raise KeyError(f"no blocks allocated for request {request_id!r}")
@@ -339,8 +424,8 @@ class KVCacheManager:
             return None
         blocks = self.pool.get_new_blocks(n)
         self._tables[request_id] = blocks
-        for b, h in zip(blocks, self._hashes[request_id]):
-            if self.pool.get_cached_block(h) is None:
+        for b, h in zip(blocks, self._hashes[request_id][self._skipped[request_id]:]):
+            if h is not None and self.pool.get_cached_block(h) is None:
                 self.pool.cache_block(b, h)
         return self.host.swap_in(request_id, [b.block_id for b in blocks])
 
@@ -378,23 +463,28 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Pool invariants, plus: each block's ref_cnt equals the number of tables holding it,
-        no table holds a block twice, and per-request hashes never outrun the table."""
+        no table holds a block twice, per-request hashes never outrun the table, and only a
+        windowed manager skips positions (a held block always remains)."""
         refs: dict[int, int] = {}
         for rid, table in self._tables.items():
             ids = [b.block_id for b in table]
             assert len(set(ids)) == len(ids), f"request {rid!r} holds a block twice: {ids}"
             for i in ids:
                 refs[i] = refs.get(i, 0) + 1
-            hashes = self._hashes[rid]
-            assert len(hashes) <= len(table), f"request {rid!r}: more hashes than blocks"
-            for b, h in zip(table[:len(hashes)], hashes, strict=True):
+            hashes, skip = self._hashes[rid], self._skipped[rid]
+            assert not skip or (self.window is not None and table), (
+                f"request {rid!r} skips {skip} blocks (window {self.sliding_window}, "
+                f"{len(table)} held)")
+            assert len(hashes) <= skip + len(table), f"request {rid!r}: more hashes than blocks"
+            assert None not in hashes[skip:], f"request {rid!r}: a held block's hash is unknown"
+            for b, h in zip(table[:max(0, len(hashes) - skip)], hashes[skip:], strict=True):
                 assert b.block_hash is None or b.block_hash == h, (
                     f"request {rid!r}: block {b.block_id} is cached under another hash")
-            for b in table[len(hashes):]:
+            for b in table[max(0, len(hashes) - skip):]:
                 assert b.block_hash is None, f"request {rid!r}: unhashed position holds {b}"
         swapped = self.host.requests
         assert not (swapped & self._tables.keys()), "a request is on both tiers"
-        assert self._hashes.keys() == self._tables.keys() | swapped, (
-            "hash lists and tables disagree")
+        assert self._hashes.keys() == self._tables.keys() | swapped == self._skipped.keys(), (
+            "hash lists, offsets and tables disagree")
         self.host.check_integrity()
         self.pool.check_integrity(refs)

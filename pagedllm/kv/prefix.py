@@ -15,12 +15,16 @@ class PrefixHit(NamedTuple):
     """Cached full blocks that cover the head of a prompt. Holds no references.
 
     ``hashes`` (filled by ``find_prefix``) lets ``allocate_slots`` detect a hit that went stale
-    because one of its blocks was evicted in between.
+    because one of its blocks was evicted in between. With a sliding window the first
+    ``num_skipped`` blocks of the hit are not needed (wholly before the window of the first token
+    to compute) and not held: ``blocks`` covers the positions after them, and
+    ``num_tokens == (num_skipped + len(blocks)) * block_size``.
     """
 
     blocks: list[int]
     num_tokens: int
     hashes: tuple[BlockHash, ...] = ()
+    num_skipped: int = 0
 
 
 @dataclass

@@ -31,6 +31,15 @@ class CopyOnWrite:
     def mark(self, request_id: str, index: int) -> None:
         self._index[request_id] = index
 
+    def shift(self, request_id: str, n: int) -> None:
+        """The request's first ``n`` table entries were dropped (sliding window): reindex."""
+        idx = self._index.get(request_id)
+        if idx is not None:
+            if idx < n:
+                del self._index[request_id]
+            else:
+                self._index[request_id] = idx - n
+
     def needs_copy(self, request_id: str, table: list[KVBlock]) -> bool:
         idx = self._index.get(request_id)
         return idx is not None and idx < len(table) and table[idx].ref_cnt > 1

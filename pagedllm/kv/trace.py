@@ -13,8 +13,9 @@ the call did; a manager without a trace runs its plain methods. On (``LLM(kv_tra
      "new": [7]}                                                                ... then the op
 
 Ops (re-executed by ``replay``): allocate, cache (block ids + hash values, with the tokens
-needed to recompute them), free, fork, take_copies, swap_out, swap_in, compact, grow, shrink,
-reset_prefix_cache. Effects (checked, not executed): evict (the pool's ``on_evict`` hook),
+needed to recompute them), free_window (blocks freed behind a sliding window), free, fork,
+take_copies, swap_out, swap_in, compact, grow, shrink, reset_prefix_cache. Block lists are by
+position; ``null`` marks a position freed behind the sliding window. Effects (checked, not executed): evict (the pool's ``on_evict`` hook),
 prefix_hit, cow_copy. ``step`` is the scheduler's step count (the tracer's ``clock``).
 
 ``replay(path)`` builds a fresh ``KVCacheManager`` from the init line (pure Python, no torch),
@@ -35,8 +36,8 @@ from typing import IO, Any
 from pagedllm.kv.block_pool import KVBlock, hash_hex
 from pagedllm.kv.manager import KVCacheManager, PrefixHit
 
-OPS = frozenset({"allocate", "cache", "free", "fork", "take_copies", "swap_out", "swap_in",
-                 "compact", "grow", "shrink", "reset_prefix_cache"})
+OPS = frozenset({"allocate", "cache", "free_window", "free", "fork", "take_copies", "swap_out",
+                 "swap_in", "compact", "grow", "shrink", "reset_prefix_cache"})
 EFFECTS = frozenset({"prefix_hit", "cow_copy", "evict"})
 
 
@@ -71,12 +72,18 @@ class KVTracer:
             self._file = None
 
 
+def _positions(kv: KVCacheManager, request_id: str) -> list[int | None]:
+    """The request's table by position, None where a block was freed behind the window."""
+    return [None] * kv.num_skipped_blocks(request_id) + kv.held_blocks(request_id)
+
+
 # -- recorders: (manager, tracer, the plain method, *its arguments) -> its result ----------------
 def _allocate(kv: KVCacheManager, t: KVTracer, call: Callable[..., bool], request_id: str,
               num_total_tokens: int, prefix: PrefixHit | None = None) -> bool:
     had = kv.has_request(request_id)
     hit = list(prefix.blocks) if prefix is not None else []
-    start = len(kv.block_table(request_id)) if had else len(hit)
+    skipped = prefix.num_skipped if prefix is not None and hit else 0
+    start = len(_positions(kv, request_id)) if had else skipped + len(hit)
     copies = len(kv.cow.pending)
     ok = call(request_id, num_total_tokens, prefix)
     if ok and not had and hit:
@@ -86,7 +93,8 @@ def _allocate(kv: KVCacheManager, t: KVTracer, call: Callable[..., bool], reques
     for src, dst in kv.cow.pending[copies:]:
         t.emit("cow_copy", rid=request_id, src=src, dst=dst)
     t.emit("allocate", rid=request_id, num_tokens=num_total_tokens, prefix=hit, ok=ok,
-           new=kv.block_table(request_id)[start:] if ok else [])
+           new=_positions(kv, request_id)[start:] if ok else [],
+           **({"skipped": skipped} if skipped else {}))
     return ok
 
 
@@ -102,15 +110,24 @@ def _cache(kv: KVCacheManager, t: KVTracer, call: Callable[..., None], request_i
         bs = kv.block_size
         t.emit("cache", rid=request_id, start=start,
                tokens=list(token_ids[start * bs:len(hashes) * bs]),
-               blocks=kv.block_table(request_id)[start:len(hashes)],
-               hashes=[hash_hex(h.value) for h in hashes[start:]],
+               blocks=_positions(kv, request_id)[start:len(hashes)],
+               hashes=[hash_hex(h.value) for h in hashes[start:] if h is not None],
                **({} if extra_keys is None else {"extra_keys": list(extra_keys)}))
+
+
+def _free_window(kv: KVCacheManager, t: KVTracer, call: Callable[..., int], request_id: str,
+                 num_computed_tokens: int) -> int:
+    before = kv.held_blocks(request_id) if kv.has_request(request_id) else []
+    n = call(request_id, num_computed_tokens)
+    if n:
+        t.emit("free_window", rid=request_id, num_computed=num_computed_tokens, blocks=before[:n])
+    return n
 
 
 def _free(kv: KVCacheManager, t: KVTracer, call: Callable[..., None], request_id: str) -> None:
     held, swapped = kv.has_request(request_id), kv.is_swapped(request_id)
     if held or swapped:
-        t.emit("free", rid=request_id, blocks=kv.block_table(request_id) if held else [],
+        t.emit("free", rid=request_id, blocks=_positions(kv, request_id) if held else [],
                swapped=swapped)
     call(request_id)
 
@@ -119,7 +136,7 @@ def _fork(kv: KVCacheManager, t: KVTracer, call: Callable[..., None], parent_id:
           child_id: str, num_tokens: int) -> None:
     call(parent_id, child_id, num_tokens)
     t.emit("fork", parent=parent_id, child=child_id, num_tokens=num_tokens,
-           blocks=kv.block_table(child_id))
+           blocks=_positions(kv, child_id))
 
 
 def _take_copies(kv: KVCacheManager, t: KVTracer,
@@ -165,7 +182,8 @@ def _reset(kv: KVCacheManager, t: KVTracer, call: Callable[[], bool]) -> bool:
 
 
 RECORDERS: dict[str, Callable[..., Any]] = {
-    "allocate_slots": _allocate, "cache_blocks": _cache, "free": _free, "fork": _fork,
+    "allocate_slots": _allocate, "cache_blocks": _cache, "free_outside_window": _free_window,
+    "free": _free, "fork": _fork,
     "take_block_copies": _take_copies, "swap_out": _pairs("swap_out"),
     "swap_in": _pairs("swap_in"), "compact": _compact, "grow": _grow, "shrink": _shrink,
     "reset_prefix_cache": _reset,
@@ -180,9 +198,10 @@ def attach(kv: KVCacheManager, tracer: KVTracer) -> None:
         raise ValueError("attach a KV trace to a fresh manager (no requests, nothing cached)")
     if kv.tracer is not None:
         raise ValueError("this KV manager is traced already")
+    window = {} if kv.sliding_window is None else {"sliding_window": kv.sliding_window}
     tracer.emit("init", num_blocks=kv.num_blocks, block_size=kv.block_size,
                 enable_prefix_caching=kv.enable_prefix_caching,
-                num_host_blocks=kv.host.num_blocks)
+                num_host_blocks=kv.host.num_blocks, **window)
     for name, record in RECORDERS.items():
         setattr(kv, name, functools.partial(record, kv, tracer, getattr(kv, name)))
     kv.tracer = tracer
@@ -212,7 +231,8 @@ def replay(trace: str | Path | Iterable[dict[str, Any]]) -> KVCacheManager:
         raise TraceMismatch("line 1: a trace starts with an 'init' event")
     init = events[0]
     kv = KVCacheManager(init["num_blocks"], init["block_size"], init["enable_prefix_caching"],
-                        num_host_blocks=init["num_host_blocks"])
+                        num_host_blocks=init["num_host_blocks"],
+                        sliding_window=init.get("sliding_window"))
     mine = KVTracer()
     attach(kv, mine)
     mine.events.clear()
@@ -247,8 +267,9 @@ def replay(trace: str | Path | Iterable[dict[str, Any]]) -> KVCacheManager:
 def _execute(kv: KVCacheManager, ev: dict[str, Any]) -> None:
     op = ev["op"]
     if op == "allocate":
-        prefix = ev["prefix"]
-        hit = PrefixHit(prefix, len(prefix) * kv.block_size) if prefix else None
+        prefix, skipped = ev["prefix"], ev.get("skipped", 0)
+        hit = PrefixHit(prefix, (skipped + len(prefix)) * kv.block_size, (),
+                        skipped) if prefix else None
         kv.allocate_slots(ev["rid"], ev["num_tokens"], hit)
     elif op == "cache":
         # blocks before ``start`` are hashed already (the chain is on the request): pad them
@@ -256,6 +277,8 @@ def _execute(kv: KVCacheManager, ev: dict[str, Any]) -> None:
         tokens = [0] * (ev["start"] * bs) + ev["tokens"]
         extra = ev.get("extra_keys")
         kv.cache_blocks(ev["rid"], tokens, len(tokens), None if extra is None else tuple(extra))
+    elif op == "free_window":
+        kv.free_outside_window(ev["rid"], ev["num_computed"])
     elif op == "free":
         kv.free(ev["rid"])
     elif op == "fork":

@@ -4,6 +4,10 @@ Besides ``check_integrity()`` after every step, the machine keeps a shadow of th
 memory: ``shadow[block_id]`` is the token prefix whose KV was last written into that block. A
 prefix hit must land on blocks whose shadow equals the new prompt's prefix (identical content),
 and a request may only ever write into blocks that no other request holds.
+
+Some machines run a sliding-window manager: after each chunk the blocks that left the window are
+freed (as the scheduler does), so a request holds exactly the blocks from its window on, and a
+prefix hit holds the window of its first uncomputed token.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=12)  # tiny alphabet: 
 
 class KVMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 12),
-                caching=st.booleans())
-    def setup(self, block_size: int, num_blocks: int, caching: bool) -> None:
-        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+                caching=st.booleans(), window=st.sampled_from([None, None, 1, 2, 3, 6]))
+    def setup(self, block_size: int, num_blocks: int, caching: bool, window: int | None) -> None:
+        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching,
+                                sliding_window=window)
         self.bs = block_size
         self.tokens: dict[str, list[int]] = {}  # running requests
         self.computed: dict[str, int] = {}
@@ -56,31 +61,42 @@ class KVMachine(RuleBasedStateMachine):
         assert len(table) >= -(-total // self.bs) and table[:len(old)] == old
         assert self.m.num_free_blocks == free - needed
         hit_ids = prefix.blocks if prefix is not None else []
-        for b in table[len(old) + len(hit_ids):]:
+        skipped = prefix.num_skipped if prefix is not None and not old else 0
+        for b in table[len(old) + skipped + len(hit_ids):]:
             assert self.m.pool.blocks[b].ref_cnt == 1, f"fresh block {b} is shared"
         return True
 
     def compute(self, rid: str, end: int) -> None:
-        """Write KV for tokens [computed, end) of rid, then hash newly full blocks."""
+        """Write KV for tokens [computed, end) of rid, hash newly full blocks, free the blocks
+        that left the window."""
         tokens, start, table = self.tokens[rid], self.computed[rid], self.m.block_table(rid)
+        assert start // self.bs >= self.m.num_skipped_blocks(rid), "writes into a freed block"
         for j in range(start // self.bs, -(-end // self.bs)):
             block = table[j]
             assert self.m.pool.blocks[block].ref_cnt == 1, f"{rid} writes into shared block {block}"
             self.shadow[block] = tuple(tokens[:min((j + 1) * self.bs, end)])
         self.computed[rid] = end
         self.m.cache_blocks(rid, tokens, end)
+        self.m.free_outside_window(rid, end)
+        if self.m.window is not None:
+            assert self.m.num_skipped_blocks(rid) == self.m.window.first_needed_block(end)
 
     def admit(self, rid: str, tokens: list[int], chunk: int) -> None:
         hit = self.m.find_prefix(tokens)
-        assert hit.num_tokens == len(hit.blocks) * self.bs <= len(tokens) - 1
+        k = hit.num_skipped
+        assert hit.num_tokens == (k + len(hit.blocks)) * self.bs <= len(tokens) - 1
         if not self.m.enable_prefix_caching:
             assert hit.blocks == []
-        for i, b in enumerate(hit.blocks):
+        if self.m.window is None:
+            assert k == 0
+        else:  # exactly the blocks the first uncomputed token's window needs are held
+            assert k == self.m.window.first_needed_block(hit.num_tokens)
+        for i, b in enumerate(hit.blocks, start=k):
             assert self.shadow.get(b) == tuple(tokens[:(i + 1) * self.bs]), "wrong prefix hit"
         end = min(len(tokens), hit.num_tokens + chunk)
         if not self.try_allocate(rid, end, hit):
             return
-        assert self.m.block_table(rid)[:len(hit.blocks)] == hit.blocks
+        assert self.m.held_blocks(rid)[:len(hit.blocks)] == hit.blocks
         self.tokens[rid] = list(tokens)
         self.computed[rid] = hit.num_tokens
         self.preempted.pop(rid, None)
@@ -148,7 +164,7 @@ class KVMachine(RuleBasedStateMachine):
         self.m.check_integrity()
         held: dict[int, list[tuple[str, int]]] = {}
         for rid in self.tokens:
-            for i, b in enumerate(self.m.block_table(rid)):
+            for i, b in enumerate(self.m.held_blocks(rid), start=self.m.num_skipped_blocks(rid)):
                 held.setdefault(b, []).append((rid, i))
         assert self.m.num_free_blocks == self.m.num_blocks - len(held)
         for b, holders in held.items():
