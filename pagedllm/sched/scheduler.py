@@ -20,6 +20,11 @@ Order of a step (``KVMemoryPolicy``, sched/memory.py, may first grow an elastic 
      urgent first, while budget, ``max_num_seqs`` and free blocks allow, reusing cached prefix
      blocks. A request that cannot be admitted preempts running requests that are strictly less
      urgent than it (unscheduling them from this step) until it fits.
+
+Sliding-window models (``kv.window``): after each step a request's blocks that left the window
+are freed (``KVCacheManager.free_outside_window``), and a prefill chunk that does not fit the
+free blocks is cut to what does (it holds its window plus the chunk, never the whole prompt),
+so such a request always moves on with ``max_blocks_held(window, block_size)`` blocks.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import logging
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.kv.manager import KVCacheManager, PrefixHit
+from pagedllm.kv.window import max_blocks_held
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sched.memory import KVMemoryPolicy
 from pagedllm.sched.output import ScheduledRequest, SchedulerOutput
@@ -95,12 +101,23 @@ class Scheduler:
                 f"the prompt has {num_prompt_tokens} tokens but max_model_len={max_len} leaves no "
                 f"room to generate; shorten the prompt or raise --max-model-len"
             )
-        blocks = -(-(num_prompt_tokens + 1) // self.kv.block_size)
+        blocks = self._peak_blocks(num_prompt_tokens)
         if blocks > self.kv.max_num_blocks:
             raise ValueError(
                 f"the prompt needs {blocks} KV blocks of {self.kv.block_size} tokens but the pool "
                 f"has {self.kv.max_num_blocks}; raise --kv-cache-memory / --num-kv-blocks"
             )
+
+    def _peak_blocks(self, num_prompt_tokens: int) -> int:
+        """The fewest blocks the prompt and its first generated token can be served with: all of
+        them, or with a sliding window its window plus the smallest chunk (one token; the whole
+        prompt without chunked prefill)."""
+        bs, total = self.kv.block_size, -(-(num_prompt_tokens + 1) // self.kv.block_size)
+        w = self.kv.window
+        if w is None:
+            return total
+        first = 1 if self.config.enable_chunked_prefill else num_prompt_tokens
+        return min(total, max(max_blocks_held(w.window, bs, first), max_blocks_held(w.window, bs)))
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (stop, length, abort) a request wherever it is; its blocks go back to the pool."""
@@ -148,15 +165,32 @@ class Scheduler:
         """Blocks only the urgent class may allocate (floor of reserved_fraction * pool)."""
         return int(self.config.reserved_fraction * self.kv.num_blocks)
 
-    def _try_allocate(self, req: Request, total: int, prefix: PrefixHit | None = None) -> bool:
-        """allocate_slots, refusing a less urgent request the reserved blocks (unless it would
-        run alone)."""
+    def _fits(self, req: Request, total: int, prefix: PrefixHit | None = None) -> bool:
+        """Whether ``allocate_slots`` would succeed, a less urgent request being refused the
+        reserved blocks (unless it would run alone)."""
         alone = not self.running or self.running == [req]
+        free = self.kv.num_free_blocks
         if not self.is_urgent(req) and not alone:
-            need = self.kv.num_blocks_needed(req.request_id, total, prefix)
-            if need > self.kv.num_free_blocks - self.reserved_blocks:
-                return False
-        return self.kv.allocate_slots(req.request_id, total, prefix)
+            free -= self.reserved_blocks
+        return self.kv.num_blocks_needed(req.request_id, total, prefix) <= free
+
+    def _try_allocate(self, req: Request, total: int, prefix: PrefixHit | None = None) -> bool:
+        return self._fits(req, total, prefix) and self.kv.allocate_slots(req.request_id, total,
+                                                                          prefix)
+
+    def _allocate_chunk(self, req: Request, computed: int, n: int,
+                        prefix: PrefixHit | None = None) -> int:
+        """Allocate slots for ``n`` new tokens after ``computed``: ``n``, or for a windowed
+        prefill chunk that does not fit, the longest shorter chunk that does; 0 if none."""
+        if self._try_allocate(req, computed + n, prefix):
+            return n
+        if self.kv.window is None or n <= 1 or not self.config.enable_chunked_prefill:
+            return 0
+        lo, hi = 0, n - 1  # the longest chunk that fits: needed blocks grow with the chunk
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self._fits(req, computed + mid, prefix) else (lo, mid - 1)
+        return lo if lo and self._try_allocate(req, computed + lo, prefix) else 0
 
     def _wanted(self, req: Request) -> int:
         """Tokens ``req`` would compute now: all that are left, except that a parent with pending
@@ -183,7 +217,8 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            if not self._allocate_or_preempt(req, n, out):
+            n = self._allocate_or_preempt(req, n, out)
+            if not n:
                 break  # req itself was preempted; everything after it already was
             out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
             budget -= n
@@ -194,13 +229,15 @@ class Scheduler:
         out.kv.block_copies = self.kv.take_block_copies()
         return out
 
-    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
-        while not self._try_allocate(req, req.num_computed_tokens + n):
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> int:
+        """Tokens allocated for ``req`` (``n``, or a shorter windowed chunk); 0 if it was
+        preempted itself."""
+        while not (got := self._allocate_chunk(req, req.num_computed_tokens, n)):
             victim = self.running[-1]  # least urgent: sorted by (priority, arrival)
             self._preempt(victim, out)
             if victim is req:
-                return False
-        return True
+                return 0
+        return got
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         chunked = self.config.enable_chunked_prefill
@@ -234,8 +271,8 @@ class Scheduler:
                 n = 1
             if n > budget and not chunked:
                 break
-            n = min(n, budget)
-            if not self._try_allocate(req, computed + n, prefix):
+            n = self._allocate_chunk(req, computed, min(n, budget), prefix)
+            if not n:
                 refund = self._preempt_for(req, out)
                 if refund is None:
                     break  # not enough free blocks: wait for running requests to finish
@@ -259,7 +296,7 @@ class Scheduler:
         self.running.remove(req)
         rid = req.request_id
         how, why = choose_preemption(self.config.preemption_mode, self.cost_model,
-                                     req.num_computed_tokens, len(self.kv.block_table(rid)),
+                                     req.num_computed_tokens, len(self.kv.held_blocks(rid)),
                                      self.kv.num_free_host_blocks)
         pairs = self.kv.swap_out(rid) if how == "swap" else None
         if pairs is not None:
@@ -307,7 +344,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self._insert_running(req)
         n = min(self._wanted(req), budget)
-        if n <= 0 or not self._try_allocate(req, req.num_computed_tokens + n):
+        if n <= 0 or not (n := self._allocate_chunk(req, req.num_computed_tokens, n)):
             return 0  # running again; scheduled from the next step
         out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
         return n
@@ -361,6 +398,7 @@ class Scheduler:
             if token is not None:
                 req.append_token(token)
             self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            self.kv.free_outside_window(req.request_id, req.num_computed_tokens)
             self._fork_if_due(req)
             if token is not None:
                 status = req.check_stop()
