@@ -99,6 +99,9 @@ class EngineArgs:
     kv_trace_path: str | None = setting(
         _C.kv_trace_path, "write the KV allocation event trace (JSONL, replayable) to this file",
         "--kv-trace", group=MEMORY, metavar="FILE")
+    free_window_blocks: bool = setting(
+        _C.free_window_blocks, "sliding-window models: return KV blocks that leave the window to "
+        "the pool (off: keep every block, as a full-attention model does)", group=MEMORY)
     preheat_prompts: Sequence[Any] | str | None = setting(
         None, "file of prompts (one per line, text or a JSON list of ids) to cache at start-up",
         group=MEMORY, metavar="FILE")
@@ -165,6 +168,7 @@ class EngineArgs:
                 k_cache_dtype=self._kv_dtype("k_cache_dtype", self.k_cache_dtype),
                 v_cache_dtype=self._kv_dtype("v_cache_dtype", self.v_cache_dtype),
                 kv_trace_path=self.kv_trace_path,
+                free_window_blocks=self.free_window_blocks,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -114,6 +114,20 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
+def _qwen2_full_layers(cfg: dict[str, Any], n_layers: int,
+                       sliding: int | None) -> tuple[int, ...]:
+    """Qwen2's full-attention layers as transformers reads them: ``layer_types`` when given, else
+    every layer below ``max_window_layers`` (default 28) when the window is on."""
+    types = cfg.get("layer_types")
+    if not types:
+        below = int(cfg.get("max_window_layers", 28))
+        types = ["sliding_attention" if sliding is not None and i >= below else "full_attention"
+                 for i in range(n_layers)]
+    if len(types) != n_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {n_layers} layers")
+    return tuple(i for i, t in enumerate(types) if t != "sliding_attention")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family checkpoint, normalised from its HF config.json."""
@@ -139,6 +153,8 @@ class ModelConfig:
     dtype: str
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # layers that attend in full although ``sliding_window`` is set (Qwen2's layer_types)
+    full_attention_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, model: str, dtype: str = "auto") -> ModelConfig:
@@ -164,10 +180,15 @@ class ModelConfig:
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act={act!r} is not supported (only silu)")
+        n_layers = int(cfg["num_hidden_layers"])
+        full: tuple[int, ...] = ()
         if arch == "Qwen2ForCausalLM":
             attn_bias = True
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-        else:
+            full = _qwen2_full_layers(cfg, n_layers, sliding)
+            if len(full) == n_layers:
+                sliding, full = None, ()
+        else:  # Mistral windows every layer (transformers ignores a Mistral's layer_types)
             attn_bias = bool(cfg.get("attention_bias", False))
             sliding = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
         eos = cfg.get("eos_token_id")
@@ -178,7 +199,7 @@ class ModelConfig:
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_hidden_layers=n_layers,
             num_attention_heads=n_heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
             head_dim=int(head_dim),
@@ -194,7 +215,18 @@ class ModelConfig:
             dtype=normalize_dtype(dtype, cfg.get("dtype") or cfg.get("torch_dtype")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            full_attention_layers=full if sliding else (),
         )
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window layer ``layer`` attends within (None: full attention)."""
+        return None if layer in self.full_attention_layers else self.sliding_window
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window KV blocks may be freed behind: one block id indexes every layer's K/V, so
+        only when every layer is windowed (None otherwise)."""
+        return None if self.full_attention_layers else self.sliding_window
 
     @property
     def dtype_bytes(self) -> int:
@@ -230,6 +262,8 @@ class CacheConfig:
     v_cache_dtype: str = "auto"
     # Allocation event trace (pagedllm.kv.trace): a JSONL file written while the engine runs.
     kv_trace_path: str | None = None
+    # Sliding-window models: free the blocks that leave every layer's window (kv/window.py).
+    free_window_blocks: bool = True
 
     def __post_init__(self) -> None:
         for flag in ("k_cache_dtype", "v_cache_dtype"):
@@ -265,6 +299,10 @@ class CacheConfig:
 
     def kv_bytes_per_block(self, model: ModelConfig) -> int:
         return self.kv_bytes_per_token(model) * self.block_size
+
+    def kv_window(self, model: ModelConfig) -> int | None:
+        """The window the KV manager frees blocks behind (None: it keeps every block)."""
+        return model.kv_sliding_window if self.free_window_blocks else None
 
     def num_host_blocks(self, model: ModelConfig) -> int:
         """Blocks of the host (swap) tier: ``swap_space`` bytes of whole blocks."""

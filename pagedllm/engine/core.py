@@ -44,11 +44,10 @@ class LLMEngine:
         self.kv_plan = p = plan_kv_pool(config.model, config.cache, config.scheduler,
                                         _profiled_budget(config, executor))
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s, %d bytes/token); fits %d "
-            "requests of max_model_len=%d",
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s, %d bytes/token); %s",
             p.num_blocks, p.block_size, p.num_tokens, p.nbytes / 2**20,
             config.cache.kv_dtype_label(config.model), p.bytes_per_block // p.block_size,
-            p.max_concurrent_full_requests, p.max_model_len,
+            p.fit_summary(),
         )
         self.scheduler = build_scheduler(config, p, scheduler_cls)  # as the planner's replay
         self.kv: KVCacheManager = self.scheduler.kv
@@ -284,6 +283,9 @@ class LLMEngine:
             "free_blocks": s.kv.free,
             "shared_blocks": s.kv.shared,
             "pinned_blocks": s.kv.pinned,
+            "max_blocks_per_request": s.max_blocks_per_request,
+            "sliding_window": self.kv.sliding_window,  # None: every block is kept
+            "window_freed_blocks": s.window_freed_blocks,
             "kv_utilization": s.live_tokens / s.pool_tokens if s.pool_tokens else 0.0,
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,

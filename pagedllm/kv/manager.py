@@ -373,12 +373,6 @@ class KVCacheManager:
         return len(hit.blocks)
 
     @property
-    def max_held_blocks(self) -> int:
-        """The most blocks any one request holds now (pins excluded)."""
-        pins = set(self._pins)
-        return max((len(t) for r, t in self._tables.items() if r not in pins), default=0)
-
-    @property
     def num_pinned_blocks(self) -> int:
         return len({b.block_id for p in self._pins for b in self._tables[p]})
 

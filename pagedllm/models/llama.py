@@ -2,7 +2,8 @@
 
 Differences inside the family are config values: GQA/MQA head counts, head_dim independent of
 hidden_size / num_heads, q/k/v bias (Qwen2, or Llama's attention_bias, which also biases o_proj),
-mlp_bias, tied embeddings, and a sliding window handed to the attention backend (Mistral).
+mlp_bias, tied embeddings, and a sliding window handed to the attention backend (Mistral; Qwen2
+on the layers its config makes windowed).
 Parameter names mirror HF's, except q|k|v -> qkv_proj and gate|up -> gate_up_proj (fused; see
 ``FUSED_WEIGHTS`` and models/loader.py).
 """
@@ -22,7 +23,8 @@ from pagedllm.models.base import CausalLM, KVCache
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPGroup | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPGroup | None = None,
+                 layer: int = 0) -> None:
         super().__init__()
         hs = shard_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp)  # this rank's heads
         self.num_heads, self.num_kv_heads = hs.num_heads, hs.num_kv_heads
@@ -38,7 +40,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = row_parallel_linear(q_size, cfg.hidden_size, o_bias, tp)
         self.backend = backend
         self.scale = self.head_dim**-0.5
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = cfg.layer_sliding_window(layer)
 
     def forward(
         self,
@@ -73,9 +75,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPGroup | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPGroup | None = None,
+                 layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, tp)
+        self.self_attn = LlamaAttention(cfg, backend, tp, layer)
         self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -97,7 +100,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # replicated under TP
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, tp) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, backend, tp, i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(

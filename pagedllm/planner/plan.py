@@ -74,9 +74,13 @@ def pool_lines(cfg: EngineConfig) -> list[str]:
         f"block            {plan.block_size} tokens = {plan.bytes_per_block} bytes",
         f"pool             {plan.num_blocks} blocks = {plan.num_tokens} tokens = "
         f"{plan.nbytes / 2**20:.1f} MiB",
-        f"max_model_len    {plan.max_model_len} -> {plan.max_concurrent_full_requests} "
-        f"full-length requests fit at once",
+        f"max_model_len    {plan.max_model_len} -> {plan.fit_summary()}",
     ]
+    if m.sliding_window is not None and plan.sliding_window is None:
+        why = ("--no-free-window-blocks" if not c.free_window_blocks else
+               f"layers {list(m.full_attention_layers)} attend in full and one block id indexes "
+               "every layer")
+        lines.append(f"sliding window   {m.sliding_window}, but every block is kept: {why}")
     if cfg.is_cuda and c.kv_cache_memory is None and c.num_kv_blocks is None:
         lines.append(
             f"note             on {cfg.device} the engine sizes the pool at start-up from "

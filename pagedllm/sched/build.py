@@ -28,7 +28,8 @@ def build_scheduler(config: EngineConfig, plan: KVPoolPlan,
     cache = config.cache
     start = min(cache.initial_num_kv_blocks or plan.num_blocks, plan.num_blocks)
     kv = KVCacheManager(start, plan.block_size, cache.enable_prefix_caching,
-                        num_host_blocks=cache.num_host_blocks(config.model))
+                        num_host_blocks=cache.num_host_blocks(config.model),
+                        sliding_window=plan.sliding_window)
     kv.set_max_num_blocks(plan.num_blocks)
     sched = scheduler_cls(config.scheduler, kv)
     sched.cost_model = PreemptionCost.for_engine(config, plan.bytes_per_block)

@@ -23,9 +23,11 @@ from pagedllm.sched.output import SchedulerOutput
 
 
 def kv_utilization(requests: Iterable[Request], kv: KVCacheManager) -> float:
-    """Live tokens / slots of the used blocks (1.0 = no internal fragmentation)."""
+    """Live tokens / slots of the used blocks (1.0 = no internal fragmentation); positions freed
+    behind a sliding window are not live."""
     used = kv.num_used_blocks
-    live = sum(r.num_computed_tokens for r in requests if kv.has_request(r.request_id))
+    live = sum(r.num_computed_tokens - kv.num_skipped_blocks(r.request_id) * kv.block_size
+               for r in requests if kv.has_request(r.request_id))
     return live / (used * kv.block_size) if used else 0.0
 
 

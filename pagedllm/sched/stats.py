@@ -43,12 +43,15 @@ class StepStats:
     num_prefill_tokens: int = 0  # prompt positions computed (recomputation included)
     num_decode_tokens: int = 0
     batch_running: int = 0  # requests holding KV while the step runs
-    live_tokens: int = 0  # tokens whose K/V are in the cache once the step has run
+    # tokens whose K/V are in the cache once the step has run (not those freed behind a window)
+    live_tokens: int = 0
+    max_blocks_per_request: int = 0  # the most blocks one running request holds in the step
     reserved_tokens: int = 0  # slots of those requests' block tables (a shared block per holder)
     pool_tokens: int = 0  # slots the pool has handed out: used blocks x block size
     # attention work (the planner's step-cost features): the summed contexts of 1-token steps
     # (of which in blocks shared with other requests: read once from cache, not from memory),
-    # and the query x key pairs of multi-token chunks, n * (start + (n + 1) / 2) each
+    # and the query x key pairs of multi-token chunks, n * (start + (n + 1) / 2) each (keys
+    # capped at the sliding window when the KV manager has one)
     decode_context_tokens: int = 0
     decode_shared_context_tokens: int = 0
     prefill_attention_pairs: float = 0.0
@@ -63,6 +66,7 @@ class StepStats:
     prefix_cache_hits: int = 0
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
+    window_freed_blocks: int = 0  # freed behind a sliding window
     step_time_s: float = 0.0
     prepare_time_s: float = 0.0  # of the step time: building the flat batch from block tables
     # -- request events of the step (the engine's output processing) --------------------------
@@ -91,26 +95,35 @@ class StepStats:
         """The record of the step ``out`` was just scheduled for."""
         kv = sched.kv
         new = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
-        prefill = live = blocks = decode_ctx = decode_shared = 0
+        prefill = live = blocks = most = decode_ctx = decode_shared = 0
         pairs = 0.0
-        bs = kv.block_size
+        bs, w = kv.block_size, kv.sliding_window
         for s in out.scheduled:
             r, c, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             prefill += max(0, min(c + n, r.num_prompt_tokens) - c)
             if n == 1:
-                decode_ctx += c + 1
-                decode_shared += min(c + 1, kv.num_shared_blocks_of(r.request_id) * bs)
-            else:
+                ctx = c + 1 if w is None else min(c + 1, w)
+                decode_ctx += ctx
+                decode_shared += min(ctx, kv.num_shared_blocks_of(r.request_id) * bs)
+            elif w is None:
                 pairs += n * (c + (n + 1) / 2)
+            else:  # query c + j (j = 1..n) sees min(c + j, w) keys
+                k = min(max(w - c, 0), n)
+                pairs += k * c + k * (k + 1) / 2 + (n - k) * w
         for r in sched.running:
+            held = kv.num_blocks_of(r.request_id)
             live += r.num_computed_tokens + new.get(r.request_id, 0)
-            blocks += kv.num_blocks_of(r.request_id)
+            if held:
+                live -= kv.num_skipped_blocks(r.request_id) * bs
+            blocks += held
+            most = max(most, held)
         return cls(
             step=sched.num_steps, num_scheduled_requests=len(out.scheduled),
             num_prefill_tokens=prefill, num_decode_tokens=out.num_batched_tokens - prefill,
             batch_running=len(sched.running), live_tokens=live, reserved_tokens=blocks * bs,
             pool_tokens=kv.num_used_blocks * bs, decode_context_tokens=decode_ctx,
             decode_shared_context_tokens=decode_shared, prefill_attention_pairs=pairs,
+            max_blocks_per_request=most,
         )
 
     def close(self, sched: Scheduler, step_time_s: float) -> StepStats:
@@ -127,5 +140,6 @@ class StepStats:
         self.preemptions_by_kind = dict(sched.preemptions_by_kind)
         self.prefix_cache_queries, self.prefix_cache_hits = kv.stats.queries, kv.stats.hits
         self.swapped_out_blocks, self.swapped_in_blocks = kv.host.stats["out"], kv.host.stats["in"]
+        self.window_freed_blocks = kv.num_window_freed
         self.step_time_s = step_time_s
         return self
