@@ -15,7 +15,10 @@ Paged KV layout (per layer, K and V alike)::
         offset = p % block_size
         slot   = block * block_size + offset        (slot_mapping holds this for new tokens)
 
-Block tables are int32, padded on the right with 0 (never read past seq_lens).
+Block tables are int32. Entries past a request's last block (padding) and before its sliding
+window (blocks freed by the KV manager, kv/window.py) are never attended; the engine fills them
+with blocks the request holds (its last, resp. first held block), so a backend that gathers them
+(masked) reads that request's own finite K/V, never a block freed to another request.
 
 Quantized KV: k_cache and/or v_cache may be a ``QuantizedKV(data, scale)`` (attention/quant.py)
 instead of a tensor; backends with ``supports_quantized_kv`` quantize on write and dequantize on

@@ -23,10 +23,12 @@ of each other (3.4-3.8 ms). The gather itself is an ``index_select`` of whole bl
 A decode group whose requests all have ``max_len`` tokens attends without a mask (the gathered
 view is cut at ``max_len``); only ragged groups and sliding windows build one.
 
-Invariant required of the caller: every cache slot holds finite values (allocate the KV cache
-with ``torch.zeros``, not ``torch.empty``). Batched decode reads the unused tail of each request's
-last block and the zero-padded block-table entries; they are masked out, but NaN/Inf there would
-still leak through ``0 * NaN``. Stale K/V of freed blocks is fine.
+Invariant required of the caller: every slot a request's table entries name holds finite values
+(allocate the KV cache with ``torch.zeros``, not ``torch.empty``). Batched decode reads the unused
+tail of each request's last block, its padding entries and, with a sliding window, the entries
+before its own window (the group starts at its earliest window); they are masked out, but NaN/Inf
+there would still leak through ``0 * NaN``. The engine's tables name only blocks the request
+holds there (attention/base.py), so what a freed block holds never matters.
 
 Quantized KV (``QuantizedKV`` caches) is dequantized to fp32 right after the block gather
 (``gather_blocks``), so the SDPA calls are the same as for an fp32 cache.

@@ -36,7 +36,7 @@ class HostBatch:
     slots: np.ndarray  # [T] int64
     q_start: np.ndarray  # [B+1] int64
     seq_lens: np.ndarray  # [B] int64
-    tables: np.ndarray  # [B, W] int64, right-padded with 0
+    tables: np.ndarray  # [B, W] int64, right-padded with each row's last block
 
     @property
     def num_reqs(self) -> int:
@@ -59,7 +59,8 @@ def build_host_batch(
     token_ids: list[list[int]], starts: list[int], tables: list[list[int]], block_size: int
 ) -> HostBatch:
     """``token_ids[i]``: request i's new tokens, at positions ``starts[i]...``; ``tables[i]``: its
-    block table (covering every new position)."""
+    block table (covering every new position). Rows are padded with their own last block, so
+    every entry a backend may gather (masked) names a block of that request, never a free one."""
     n = len(token_ids)
     q_lens = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=n)
     st = np.asarray(starts, dtype=np.int64)
@@ -77,6 +78,7 @@ def build_host_batch(
     tab = np.zeros((n, width), dtype=np.int64)
     for i, t in enumerate(tables):
         tab[i, : len(t)] = t
+        tab[i, len(t) :] = t[-1]
     slots = tab[req_idx, positions // block_size] * block_size + positions % block_size
     return HostBatch(ids, positions, slots, q_start, st + q_lens, tab)
 

@@ -106,6 +106,8 @@ def _prefill_kernel(
     for start in range(lo, hi, TILE_N):
         pos = start + tl.arange(0, TILE_N)
         k_mask = pos < seq_len
+        if USE_WINDOW:  # keys before the tile's window are not even loaded (freed blocks)
+            k_mask = k_mask & (pos > context_len + tile * BLOCK_Q - window)
         k, v = load_kv_tile(  # [TILE_N, BLOCK_D] each
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table, start, pos, k_mask,
             kv_head, d, d_mask, q, stride_cb, stride_co, stride_ch, stride_sb, stride_so,
