@@ -28,7 +28,7 @@ def test_host_batch_matches_the_drawing() -> None:
     assert hb.seq_lens.tolist() == [8, 10, 2]
     # position p -> table[p // 4] * 4 + p % 4
     assert hb.slots.tolist() == [31, 16, 17, 18, 19, 9, 32, 33]
-    assert hb.tables.tolist() == [[7, 4, 0], [5, 6, 2], [8, 0, 0]]
+    assert hb.tables.tolist() == [[7, 4, 4], [5, 6, 2], [8, 8, 8]]  # padded with own blocks
     assert hb.max_query_len == 5 and not hb.is_decode_only
     assert build_host_batch([[1], [2]], [4, 0], [[3, 9], [1]], 4).is_decode_only
 

@@ -7,6 +7,10 @@ number of blocks. Per step we record running requests, reserved token slots and 
 
 ``mode="real"`` runs the real engines (x axis: seconds); ``mode="replay"`` replays the
 schedulers with a fake runner (x axis: steps; same scheduling, no model, milliseconds).
+
+On a sliding-window model a third policy runs: ``paged, all blocks`` is the paged engine with
+``free_window_blocks=False`` (every block kept, as if the model attended in full), against
+``paged``, which frees the blocks that leave the window; the contiguous baseline keeps every block.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 from pagedllm.bench.report import format_table, machine_info, plot, write_json
 from pagedllm.bench.workload import BenchRequest, WorkloadSpec, summarize
 
+KEEP = "paged, all blocks"  # the paged engine with free_window_blocks=False
 COLUMNS = ("policy", "peak_running", "mean_running", "kv_utilization", "steps", "elapsed_s",
            "num_preemptions")
 
@@ -34,22 +39,28 @@ def run_memory(
     mode: str = "real",
 ) -> dict[str, Any]:
     from pagedllm.bench.contiguous import ContiguousScheduler
+    from pagedllm.bench.workload import engine_config
     from pagedllm.sched import Scheduler
 
     kwargs = {**engine_kwargs, "num_kv_blocks": num_blocks, "kv_cache_memory": None}
-    policies = {"paged": Scheduler, "contiguous": ContiguousScheduler}
+    keep = {**kwargs, "free_window_blocks": False}
+    base = engine_config(kwargs)
+    windowed = base.cache.kv_window(base.model) is not None
+    policies = {"paged": (Scheduler, kwargs)}
+    if windowed:
+        policies[KEEP] = (Scheduler, keep)
+    policies["contiguous"] = (ContiguousScheduler, keep)
     rows, series = [], {}
-    for name, cls in policies.items():
+    for name, (cls, kw) in policies.items():
         if mode == "replay":
             from pagedllm.bench.probe import replay
-            from pagedllm.bench.workload import engine_config
 
-            trace = replay(reqs, cls, engine_config(kwargs))
+            trace = replay(reqs, cls, engine_config(kw))
             elapsed, preemptions = None, trace.num_preemptions
         elif mode == "real":
             from pagedllm.bench.baselines import EngineBackend
 
-            backend = EngineBackend(name, kwargs, "contiguous" if name == "contiguous" else "paged")
+            backend = EngineBackend(name, kw, "contiguous" if name == "contiguous" else "paged")
             res = backend.run(reqs)
             trace = backend.trace
             elapsed, preemptions = res.elapsed_s, res.stats["num_preemptions"]
@@ -62,6 +73,11 @@ def run_memory(
                         "utilization": trace.utilization}
     by = {r["policy"]: r for r in rows}
     p, c = by["paged"], by["contiguous"]
+    window_ratio = {}
+    if windowed:
+        k = by[KEEP]
+        window_ratio = {"window_peak_running": p["peak_running"] / max(k["peak_running"], 1),
+                        "window_mean_running": p["mean_running"] / max(k["mean_running"], 1e-9)}
     return {
         "benchmark": "memory",
         "mode": mode,
@@ -74,6 +90,7 @@ def run_memory(
             "peak_running": p["peak_running"] / max(c["peak_running"], 1),
             "mean_running": p["mean_running"] / max(c["mean_running"], 1e-9),
             "kv_utilization": p["kv_utilization"] / max(c["kv_utilization"], 1e-9),
+            **window_ratio,
         },
         "series": series,
         "workload": {**spec.describe(), **summarize(reqs)},
@@ -92,6 +109,9 @@ def report_memory(res: dict[str, Any], output_dir: Path, output_json: Path | Non
     r = res["ratios"]
     print(f"paged/contiguous: peak concurrency x{r['peak_running']:.2f}, mean concurrency "
           f"x{r['mean_running']:.2f}, KV utilization x{r['kv_utilization']:.2f}")
+    if "window_peak_running" in r:
+        print(f"sliding window, freed/kept: peak concurrency x{r['window_peak_running']:.2f}, "
+              f"mean concurrency x{r['window_mean_running']:.2f}")
     paths = [write_json(output_json or output_dir / "memory.json", res)]
     if make_plots:
         def draw(plt: Any) -> None:

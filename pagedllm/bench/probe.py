@@ -4,9 +4,10 @@
 Per step a ``StepTrace`` keeps, from the record::
 
     running    requests holding KV (the batch)
-    reserved   token slots reserved for them: sum of len(block table) * block_size
+    reserved   token slots reserved for them: sum of blocks held * block_size
     live       tokens whose K/V are in the cache once this step has run:
-               sum over running requests of num_computed_tokens + new tokens scheduled now
+               sum over running requests of num_computed_tokens + new tokens scheduled now,
+               less the positions of blocks freed behind a sliding window
     pool       token slots the pool has handed out: (num_blocks - num_free_blocks) * block_size
 
 Utilization = live / reserved; 1 - utilization is the fraction of reserved slots that hold

@@ -2,6 +2,7 @@
 
     pagedllm bench random-model /tmp/llama-100m              # ~96M parameters, fp32
     pagedllm bench random-model /tmp/llama-1b --preset 1b    # ~0.99B parameters, bf16 (~2 GB)
+    pagedllm bench random-model /tmp/mistral --sliding-window 64   # a Mistral: windowed attention
     python -m pagedllm.bench.random_model /tmp/llama-100m
 
 Weights are random (seeded), so outputs are noise, but every cost that matters for serving
@@ -64,11 +65,12 @@ def llama_param_count(vocab_size: int, hidden_size: int, intermediate_size: int,
 
 def build_random_model(out: str | Path, preset: str = "100m", tokenizer: str | None = None,
                        seed: int = 0, dtype: str | None = None, device: str = "cpu",
-                       **overrides: Any) -> int:
+                       sliding_window: int | None = None, **overrides: Any) -> int:
     """Write the checkpoint into ``out``; returns the parameter count. ``dtype`` None takes the
-    preset's (``PRESET_DTYPES``, else float32)."""
+    preset's (``PRESET_DTYPES``, else float32). ``sliding_window``: a Mistral of the same shape
+    whose every layer attends to its last that many positions."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     from pagedllm.config import default_model_path
     from pagedllm.tokenizer import get_tokenizer
@@ -82,7 +84,11 @@ def build_random_model(out: str | Path, preset: str = "100m", tokenizer: str | N
     tok = get_tokenizer(str(tok_dir))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = LlamaConfig(
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if sliding_window is None else (
+        MistralConfig, MistralForCausalLM)
+    if sliding_window is not None:
+        overrides = {"sliding_window": sliding_window, **overrides}
+    cfg = config_cls(
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
@@ -94,7 +100,7 @@ def build_random_model(out: str | Path, preset: str = "100m", tokenizer: str | N
     torch.set_default_dtype(getattr(torch, dtype))  # allocate and init in the storage dtype
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg).eval()
+            model = model_cls(cfg).eval()
     finally:
         torch.set_default_dtype(prev)
     model.to("cpu").save_pretrained(out)  # config.json records the parameters' dtype
@@ -117,12 +123,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="storage dtype (default: bfloat16 for 1b, float32 otherwise)")
     p.add_argument("--device", default="cpu",
                    help="where the random init runs (cuda is much faster for 1b); saved from CPU")
+    p.add_argument("--sliding-window", type=int, default=None, metavar="N",
+                   help="build a MistralForCausalLM whose layers attend to their last N positions")
 
 
 def run(a: argparse.Namespace) -> int:
     """The command for parsed ``add_args`` flags (``pagedllm bench random-model`` and ``main``)."""
-    n = build_random_model(a.out, a.preset, a.tokenizer, a.seed, a.dtype, a.device)
-    print(f"wrote {a.out} ({n / 1e6:.1f}M parameters, random weights, preset {a.preset})")
+    n = build_random_model(a.out, a.preset, a.tokenizer, a.seed, a.dtype, a.device,
+                           a.sliding_window)
+    arch = "" if a.sliding_window is None else f", Mistral with sliding window {a.sliding_window}"
+    print(f"wrote {a.out} ({n / 1e6:.1f}M parameters, random weights, preset {a.preset}{arch})")
     return 0
 
 

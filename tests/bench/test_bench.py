@@ -9,6 +9,7 @@ import math
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from server_helpers import ServerThread, scrape
@@ -189,6 +190,21 @@ def test_bench_memory_cli(model: Path, tmp_path: Path) -> None:
         assert res["num_kv_blocks"] == 2 * MML // 4
         assert set(res["series"]["paged"]) == {"t", "running", "live", "reserved", "pool",
                                                  "utilization"}
+        assert 0 < by["paged"]["kv_utilization"] <= 1
+
+
+def test_bench_memory_sliding_window_ring_vs_all_blocks(make_model: Any, tmp_path: Path) -> None:
+    windowed = make_model("mistral", sliding_window=8)
+    for mode in ("replay", "real"):
+        out = tmp_path / f"mem-window-{mode}.json"
+        res = _run(["bench", "memory", "--mode", mode, "--model", str(windowed), "--workload",
+                    "fixed", "--input-len", "6", "--output-len", "48", "--full-requests", "2",
+                    "--output-dir", str(tmp_path), "--output-json", str(out),
+                    *SMALL[:2], *SMALL[6:]], out)
+        by = {r["policy"]: r for r in res["results"]}
+        assert set(by) == {"paged", "paged, all blocks", "contiguous"}
+        assert by["paged"]["mean_running"] > by["paged, all blocks"]["mean_running"]
+        assert res["ratios"]["window_mean_running"] > 1
         assert 0 < by["paged"]["kv_utilization"] <= 1
 
 

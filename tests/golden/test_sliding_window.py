@@ -10,8 +10,10 @@ windows 32 and 64 x block sizes 1 and 16 x both preemption modes on 600-token pr
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 
 _HF: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
+_IDS = itertools.count()
 
 
 def hf_greedy(path: Path, prompt: list[int], max_new: int) -> list[int]:
@@ -36,12 +39,9 @@ def hf_greedy(path: Path, prompt: list[int], max_new: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def windowed(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    from conftest import make_hf_model
-
-    root = tmp_path_factory.mktemp("windowed")
-    return {w: make_hf_model(root / f"mistral{w}", "mistral", sliding_window=w,
-                             max_position_embeddings=2560) for w in (32, 64)}
+def windowed(make_model: Any) -> dict[int, Path]:
+    return {w: make_model("mistral", sliding_window=w, max_position_embeddings=2560)
+            for w in (32, 64)}
 
 
 def make_prompts(n: int, shared: int, seed: int = 0) -> list[list[int]]:
@@ -58,7 +58,7 @@ def run_checked(llm: LLM, prompts: list[list[int]], max_tokens: int, window: int
     eng = llm.engine
     bound = -(-window // block_size) + 1
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [f"w{len(eng.groups)}-{i}-{random.random()}" for i in range(len(prompts))]
+    ids = [f"w{next(_IDS)}" for _ in prompts]
     for rid, p in zip(ids, prompts):
         eng.add_request(rid, {"prompt_token_ids": p}, params)
     done: dict[str, list[int]] = {}
@@ -115,11 +115,9 @@ def test_2000_token_generation_holds_only_the_window(windowed: dict[int, Path]) 
 
 
 @pytest.mark.slow
-def test_qwen2_mixing_full_and_windowed_layers_matches_hf(tmp_path: Path) -> None:
-    from conftest import make_hf_model
-
-    path = make_hf_model(tmp_path / "qwen2", "qwen2", use_sliding_window=True, sliding_window=16,
-                         max_window_layers=1, num_hidden_layers=3)
+def test_qwen2_mixing_full_and_windowed_layers_matches_hf(make_model: Any) -> None:
+    path = make_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1,
+                      num_hidden_layers=3)
     llm = LLM(model=str(path), block_size=4, max_model_len=512)
     cfg = llm.engine.config.model
     assert cfg.sliding_window == 16 and cfg.full_attention_layers == (0,)
