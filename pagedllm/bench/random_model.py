@@ -84,8 +84,8 @@ def build_random_model(out: str | Path, preset: str = "100m", tokenizer: str | N
     tok = get_tokenizer(str(tok_dir))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if sliding_window is None else (
-        MistralConfig, MistralForCausalLM)
+    config_cls: Any = LlamaConfig if sliding_window is None else MistralConfig
+    model_cls: Any = LlamaForCausalLM if sliding_window is None else MistralForCausalLM
     if sliding_window is not None:
         overrides = {"sliding_window": sliding_window, **overrides}
     cfg = config_cls(
