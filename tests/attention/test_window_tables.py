@@ -2,7 +2,9 @@
 a request's window are freed (their entries name the request's first held block) and rows are
 padded with their last block. Every block no request holds is filled with NaN (and NaN scales,
 for quantized caches): outputs must equal torch_ref's over intact caches, so nothing of a freed
-block leaks through the masking, whatever it holds."""
+block leaks through the masking, whatever it holds. The CPU backend runs both decode paths (the
+C++ kernel reads only its window's positions; the SDPA path gathers a fixed span and relies on
+the tables naming the request's own blocks)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_backends import TOL, make_batch  # noqa: E402
 
+from pagedllm import kernels  # noqa: E402
 from pagedllm.attention import AttentionBackend, AttentionMetadata  # noqa: E402
 from pagedllm.attention.cpu import CpuBackend  # noqa: E402
 from pagedllm.attention.quant import QUANT_DTYPES, QuantizedKV, quantize, raw  # noqa: E402
@@ -25,7 +28,7 @@ REQS = [(70, 1), (5, 1), (41, 1), (33, 9), (0, 12), (90, 1), (18, 3)]
 
 
 def backends() -> list[str]:
-    names = ["torch_ref", "cpu"]
+    names = ["torch_ref", "cpu-sdpa"] + (["cpu-kernel"] if kernels.available() else [])
     try:
         from pagedllm.attention.triton import common
     except ImportError:
@@ -38,7 +41,9 @@ def make_backend(name: str) -> AttentionBackend:
         from pagedllm.attention.triton import TritonBackend
 
         return TritonBackend()
-    return CpuBackend() if name == "cpu" else TorchRefBackend()
+    if name.startswith("cpu"):
+        return CpuBackend(use_kernel=name == "cpu-kernel")
+    return TorchRefBackend()
 
 
 def window_tables(meta: AttentionMetadata, reqs: list[tuple[int, int]], block_size: int,
