@@ -153,8 +153,7 @@ class ModelConfig:
     dtype: str
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # layers that attend in full although ``sliding_window`` is set (Qwen2's layer_types)
-    full_attention_layers: tuple[int, ...] = ()
+    full_attention_layers: tuple[int, ...] = ()  # unwindowed despite sliding_window (Qwen2)
 
     @classmethod
     def from_hf(cls, model: str, dtype: str = "auto") -> ModelConfig:
@@ -180,13 +179,11 @@ class ModelConfig:
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act={act!r} is not supported (only silu)")
-        n_layers = int(cfg["num_hidden_layers"])
-        full: tuple[int, ...] = ()
+        n_layers, full = int(cfg["num_hidden_layers"]), tuple[int, ...]()
         if arch == "Qwen2ForCausalLM":
             attn_bias = True
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-            full = _qwen2_full_layers(cfg, n_layers, sliding)
-            if len(full) == n_layers:
+            if len(full := _qwen2_full_layers(cfg, n_layers, sliding)) == n_layers:
                 sliding, full = None, ()
         else:  # Mistral windows every layer (transformers ignores a Mistral's layer_types)
             attn_bias = bool(cfg.get("attention_bias", False))
@@ -224,8 +221,7 @@ class ModelConfig:
 
     @property
     def kv_sliding_window(self) -> int | None:
-        """The window KV blocks may be freed behind: one block id indexes every layer's K/V, so
-        only when every layer is windowed (None otherwise)."""
+        """The window KV blocks may be freed behind: set only if every layer is windowed."""
         return None if self.full_attention_layers else self.sliding_window
 
     @property

@@ -10,21 +10,12 @@ A request's block table maps its token positions to KV slots::
 
 Only full blocks whose tokens are all computed are hashed (once, kept on the request) and
 registered in the pool's index. ``find_prefix`` walks a new prompt's hash chain through the index;
-the hit blocks become the head of the new request's table, shared by reference count.
+the hit blocks become the head of the new request's table, shared by reference count (the hashes
+and the walk: kv/prefix.py).
 
-Hash choice: BLAKE2b (128-bit digest) over a pickle of ``(parent_value, token_ids, extra_keys)``.
-Unlike the built-in ``hash`` of an int tuple (64-bit and easy to collide on purpose, since ints
-hash to themselves), an accidental or crafted collision of the *parent* link is out of reach; the
-stored ``(parent, token_ids, extra_keys)`` is still compared on every hit, so a collision of the
-value itself never produces a wrong hit. Values are also stable across processes (no hash seed).
-Cost: ~1 µs per full block, paid once per block.
-
-Sliding-window models (kv/window.py): blocks that fall wholly behind every later query's window
-are freed as the request advances (``free_outside_window``). The table then starts at an offset:
-``_tables`` holds the blocks still held and ``_skipped`` counts the freed positions before them,
-so token t lives in held block ``t // block_size - skipped``. Freed blocks are never hashed
-(a block is hashed when it fills, before it can leave the window), and a prefix hit needs only
-the blocks inside the window of its first uncomputed token.
+Sliding window (kv/window.py): blocks wholly behind every later query's window are freed as the
+request advances (``free_outside_window``); ``_tables`` then holds the blocks still held and
+``_skipped`` counts the positions before them (token t: held block ``t // block_size - skipped``).
 
 The manager holds its parts: the ``BlockPool`` (blocks, free queue, hash index, pool size), a
 ``CopyOnWrite`` (shared partial blocks and pending copies, kv/sharing.py), a ``HostTier``
@@ -34,34 +25,26 @@ wraps its public calls from outside.
 
 from __future__ import annotations
 
-import hashlib
-import pickle
+import itertools
 from collections.abc import Sequence
 
 from pagedllm.kv.block_pool import BlockHash, BlockPool, KVBlock
 from pagedllm.kv.host_tier import HostTier
-from pagedllm.kv.prefix import PrefixCacheStats, PrefixHit
+from pagedllm.kv.prefix import (
+    PrefixCacheStats,
+    PrefixHit,
+    hash_block_tokens,
+    held_blocks_of_hit,
+    longest_cached_prefix,
+    make_block_hash,
+)
 from pagedllm.kv.sharing import CopyOnWrite
 from pagedllm.kv.window import SlidingWindow
 
-__all__ = ["KVCacheManager", "PrefixCacheStats", "PrefixHit", "hash_block_tokens"]
+__all__ = ["KVCacheManager", "PrefixCacheStats", "PrefixHit", "hash_block_tokens",
+           "make_block_hash"]
 
 PIN_PREFIX = "__pinned__/"
-
-
-def hash_block_tokens(parent: int | None, token_ids: tuple[int, ...],
-                      extra_keys: tuple | None) -> int:
-    """The chained value of one full block (see the module docstring for the choice)."""
-    data = pickle.dumps((parent, token_ids, extra_keys), protocol=5)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
-
-
-def make_block_hash(parent: BlockHash | None, token_ids: Sequence[int],
-                    extra_keys: tuple | None) -> BlockHash:
-    parent_value = None if parent is None else parent.value
-    tokens = tuple(token_ids)
-    value = hash_block_tokens(parent_value, tokens, extra_keys)
-    return BlockHash(value, parent_value, tokens, extra_keys)
 
 
 class KVCacheManager:
@@ -86,10 +69,9 @@ class KVCacheManager:
         self.window = None if sliding_window is None else SlidingWindow(sliding_window, block_size)
         self.stats = PrefixCacheStats()
         self._tables: dict[str, list[KVBlock]] = {}  # the blocks held, in token order
-        # leading positions freed behind the window (the table's offset); kept while swapped out
+        # below: swapped-out requests keep theirs. Positions freed behind the window (offset):
         self._skipped: dict[str, int] = {}
-        # hashes of the leading full blocks, by position (None: skipped by a windowed prefix
-        # hit, unknown); swapped-out requests keep theirs
+        # hashes of the leading full blocks by position (None: skipped by a windowed hit)
         self._hashes: dict[str, list[BlockHash | None]] = {}
         self._pins: list[str] = []  # pseudo-requests holding pinned (preheated) prefix blocks
         self.num_window_freed = 0  # blocks freed behind the sliding window, in all
@@ -142,8 +124,7 @@ class KVCacheManager:
 
     def num_blocks_of(self, request_id: str) -> int:
         """Device blocks the request holds (0 if none; placeholders not counted)."""
-        table = self._tables.get(request_id)
-        return 0 if table is None else len(table)
+        return len(self._tables.get(request_id, ()))
 
     def num_shared_blocks_of(self, request_id: str) -> int:
         """Leading held blocks of the request's table that others hold too (ref count > 1): prefix
@@ -176,22 +157,8 @@ class KVCacheManager:
         looks up on every admission attempt and records once, with ``record_prefix_query``)."""
         if not self.enable_prefix_caching:
             return PrefixHit([], 0)
-        bs = self.block_size
-        found: list[tuple[BlockHash, KVBlock | None]] = []
-        parent: BlockHash | None = None
-        for i in range(max(len(token_ids) - 1, 0) // bs):
-            parent = make_block_hash(parent, token_ids[i * bs:(i + 1) * bs], extra_keys)
-            found.append((parent, self.pool.get_cached_block(parent)))
-            if found[-1][1] is None and self.window is None:
-                break  # full attention: the chain must be cached from its first block
-        if self.window is None:
-            n, skip = sum(1 for _, b in found if b is not None), 0
-        else:  # only the blocks inside the window of the first uncomputed token are needed
-            n = self.window.longest_hit([b is not None for _, b in found])
-            skip = self.window.first_needed_block(n * bs)
-        held = found[skip:n]
-        hit = PrefixHit([b.block_id for _, b in held if b is not None], n * bs,
-                        tuple(h for h, _ in held), skip)
+        hit = longest_cached_prefix(self.pool, token_ids, self.block_size, extra_keys,
+                                    self.window)
         if record_stats:
             self.record_prefix_query(len(token_ids), hit.num_tokens)
         return hit
@@ -217,8 +184,8 @@ class KVCacheManager:
 
     def allocate_slots(self, request_id: str, num_total_tokens: int,
                        prefix: PrefixHit | None = None) -> bool:
-        """Make ``request_id``'s table cover ``num_total_tokens`` slots; False (and no change at
-        all) if the pool lacks free blocks. ``prefix`` is only accepted on the first call."""
+        """Make ``request_id``'s table cover ``num_total_tokens`` slots; False (no change at all)
+        if the pool lacks free blocks. ``prefix`` is only accepted on the first call."""
         table = self._tables.get(request_id)
         hit: list[KVBlock] = []
         hit_hashes: list[BlockHash | None] = []
@@ -226,7 +193,11 @@ class KVCacheManager:
             if table is not None:
                 raise ValueError(f"request {request_id!r} already has blocks; a prefix hit "
                                  "can only seed a new request's table")
-            hit, hit_hashes = self._validate_prefix(prefix, num_total_tokens)
+            if not self.enable_prefix_caching:
+                raise ValueError("prefix hit passed while prefix caching is disabled")
+            hit = held_blocks_of_hit(self.pool, prefix, num_total_tokens, self.block_size,
+                                     self.window)
+            hit_hashes = [b.block_hash for b in hit]
         if self.num_blocks_needed(request_id, num_total_tokens, prefix) > self.pool.num_free_blocks:
             return False
         if table is None:
@@ -241,31 +212,6 @@ class KVCacheManager:
         if n_new > 0:
             table.extend(self.pool.get_new_blocks(n_new))
         return True
-
-    def _validate_prefix(self, prefix: PrefixHit,
-                         num_total_tokens: int) -> tuple[list[KVBlock], list[BlockHash | None]]:
-        if not self.enable_prefix_caching:
-            raise ValueError("prefix hit passed while prefix caching is disabled")
-        positions = prefix.num_skipped + len(prefix.blocks)
-        if prefix.num_tokens != positions * self.block_size:
-            raise ValueError(f"prefix covers {positions} blocks but claims "
-                             f"{prefix.num_tokens} tokens")
-        if prefix.num_skipped and (self.window is None or prefix.num_skipped
-                                   > self.window.first_needed_block(prefix.num_tokens)):
-            raise ValueError(f"prefix skips {prefix.num_skipped} blocks that the sliding window "
-                             f"({self.sliding_window}) still needs")
-        if num_total_tokens < prefix.num_tokens:
-            raise ValueError(f"num_total_tokens={num_total_tokens} is below the prefix hit's "
-                             f"{prefix.num_tokens} tokens")
-        blocks = [self.pool.blocks[i] for i in prefix.blocks]
-        hashes: list[BlockHash | None] = []
-        for i, b in enumerate(blocks):
-            h = b.block_hash
-            if h is None or (prefix.hashes and h != prefix.hashes[i]):
-                raise ValueError(f"stale prefix hit: block {b.block_id} was evicted after "
-                                 "find_prefix; call find_prefix again right before allocate_slots")
-            hashes.append(h)
-        return blocks, hashes
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                      extra_keys: tuple | None = None) -> None:
@@ -294,10 +240,9 @@ class KVCacheManager:
             hashes.append(h)
 
     def free_outside_window(self, request_id: str, num_computed_tokens: int) -> int:
-        """Free the request's blocks that lie wholly before the sliding window of every token
-        after its first ``num_computed_tokens`` (call once they are computed and hashed: after
-        ``cache_blocks``). Returns how many blocks were freed; 0 without a window. The oldest
-        goes to the free queue first (evicted first). Unknown ids are ignored."""
+        """Free the blocks wholly before the window of every token after the first
+        ``num_computed_tokens`` (after ``cache_blocks``: they are hashed). Returns how many; the
+        oldest is queued (evicted) first. Unknown ids are ignored."""
         table = self._tables.get(request_id)
         if self.window is None or table is None:
             return 0
@@ -335,25 +280,12 @@ class KVCacheManager:
         next write of whichever sharer writes first."""
         if child_id in self._tables:
             raise ValueError(f"request {child_id!r} already has blocks")
-        parent = self._tables.get(parent_id)
-        if parent is None:
-            raise KeyError(f"no blocks allocated for request {parent_id!r}")
-        skip = self._skipped[parent_id]
-        n_blocks = -(-num_tokens // self.block_size) - skip  # of the parent's held blocks
-        if n_blocks > len(parent):
-            raise ValueError(f"fork at {num_tokens} tokens but {parent_id!r} holds "
-                             f"{skip + len(parent)} blocks")
-        if n_blocks < 1:
-            raise ValueError(f"fork at {num_tokens} tokens: {parent_id!r} freed those blocks "
-                             "behind its sliding window")
-        shared = parent[:n_blocks]
-        self.pool.touch(shared)
-        self._tables[child_id] = list(shared)
+        skip = self._skipped[parent_id] if parent_id in self._tables else 0
+        self._tables[child_id] = self.cow.share(self.pool, parent_id, self._held(parent_id),
+                                                child_id, num_tokens - skip * self.block_size,
+                                                self.block_size)
         self._skipped[child_id] = skip
         self._hashes[child_id] = self._hashes[parent_id][:num_tokens // self.block_size]
-        if num_tokens % self.block_size:
-            self.cow.mark(child_id, n_blocks - 1)
-            self.cow.mark(parent_id, n_blocks - 1)
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) copies made by ``allocate_slots`` since the last call; the runner must
@@ -394,10 +326,9 @@ class KVCacheManager:
         return self.host.holds(request_id)
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
-        """Move the request's blocks to the host tier: (device, host) pairs to copy, or None
-        (nothing changed) if the host tier lacks room. The request keeps its computed count, its
-        prefix hashes and its sliding-window offset; its device blocks are freed (shared ones
-        stay with their holders)."""
+        """Move the request's held blocks to the host tier: (device, host) pairs to copy, or None
+        (nothing changed) if it lacks room. The request keeps its computed count, prefix hashes
+        and window offset; its device blocks are freed (shared ones stay with their holders)."""
         table = self._tables.get(request_id)
         if table is None:
             raise KeyError(f"no blocks allocated for request {request_id!r}")
@@ -410,9 +341,8 @@ class KVCacheManager:
         return pairs
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
-        """Bring a swapped request back into fresh device blocks: (host, device) pairs to copy, or
-        None (nothing changed) if the device pool lacks free blocks. Its prefix hashes are
-        re-registered where no other block holds them."""
+        """Bring a swapped request back into fresh device blocks: (host, device) pairs, or None
+        (no change) if too few are free. Its hashes re-register where no other block holds them."""
         n = self.host.num_blocks_of(request_id)
         if n > self.pool.num_free_blocks:
             return None
@@ -456,9 +386,9 @@ class KVCacheManager:
         return self.pool.shrink(n)
 
     def check_integrity(self) -> None:
-        """Pool invariants, plus: each block's ref_cnt equals the number of tables holding it,
-        no table holds a block twice, per-request hashes never outrun the table, and only a
-        windowed manager skips positions (a held block always remains)."""
+        """Pool invariants, plus: each block's ref_cnt equals the number of tables holding it, no
+        table holds a block twice, per-request hashes never outrun the table (an unhashed block
+        is uncached), only a windowed manager skips positions (a held block always remains)."""
         refs: dict[int, int] = {}
         for rid, table in self._tables.items():
             ids = [b.block_id for b in table]
@@ -466,16 +396,12 @@ class KVCacheManager:
             for i in ids:
                 refs[i] = refs.get(i, 0) + 1
             hashes, skip = self._hashes[rid], self._skipped[rid]
-            assert not skip or (self.window is not None and table), (
-                f"request {rid!r} skips {skip} blocks (window {self.sliding_window}, "
-                f"{len(table)} held)")
+            assert not skip or (self.window is not None and table), f"{rid!r} skips {skip}"
             assert len(hashes) <= skip + len(table), f"request {rid!r}: more hashes than blocks"
-            assert None not in hashes[skip:], f"request {rid!r}: a held block's hash is unknown"
-            for b, h in zip(table[:max(0, len(hashes) - skip)], hashes[skip:], strict=True):
-                assert b.block_hash is None or b.block_hash == h, (
-                    f"request {rid!r}: block {b.block_id} is cached under another hash")
-            for b in table[max(0, len(hashes) - skip):]:
-                assert b.block_hash is None, f"request {rid!r}: unhashed position holds {b}"
+            held = hashes[skip:]
+            for b, h in itertools.zip_longest(table, held):
+                assert b is not None and (b.block_hash is None or b.block_hash == h), (
+                    f"request {rid!r}: block {b} is cached under another hash than {h}")
         swapped = self.host.requests
         assert not (swapped & self._tables.keys()), "a request is on both tiers"
         assert self._hashes.keys() == self._tables.keys() | swapped == self._skipped.keys(), (

@@ -31,6 +31,25 @@ class CopyOnWrite:
     def mark(self, request_id: str, index: int) -> None:
         self._index[request_id] = index
 
+    def share(self, pool: BlockPool, parent_id: str, parent: list[KVBlock], child_id: str,
+              num_tokens: int, block_size: int) -> list[KVBlock]:
+        """A fork's table: the parent's held blocks covering its next ``num_tokens`` tokens
+        (counted from its first held block), referenced once more; a partial last block is marked
+        for copy-on-write in both tables."""
+        n = -(-num_tokens // block_size)
+        if n > len(parent):
+            raise ValueError(f"fork at {num_tokens} tokens past {parent_id!r}'s first held block, "
+                             f"but it holds {len(parent)} blocks")
+        if n < 1:
+            raise ValueError(f"fork of {parent_id!r} before its first held block (freed behind "
+                             "its sliding window)")
+        shared = parent[:n]
+        pool.touch(shared)
+        if num_tokens % block_size:
+            self.mark(child_id, n - 1)
+            self.mark(parent_id, n - 1)
+        return list(shared)
+
     def shift(self, request_id: str, n: int) -> None:
         """The request's first ``n`` table entries were dropped (sliding window): reindex."""
         idx = self._index.get(request_id)

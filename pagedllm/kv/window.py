@@ -38,6 +38,19 @@ def max_blocks_held(window: int, block_size: int, num_new_tokens: int = 1) -> in
     return blocks_spanned(window - 1 + num_new_tokens, block_size)
 
 
+def min_blocks_to_serve(num_prompt_tokens: int, block_size: int, window: int | None,
+                        chunked_prefill: bool) -> int:
+    """The fewest blocks a prompt and its first generated token can be served in: all of them,
+    or with a sliding window its window plus the smallest chunk (one token, or the whole prompt
+    without chunked prefill)."""
+    total = -(-(num_prompt_tokens + 1) // block_size)
+    if window is None:
+        return total
+    first = 1 if chunked_prefill else num_prompt_tokens
+    return min(total, max(max_blocks_held(window, block_size, first),
+                          max_blocks_held(window, block_size)))
+
+
 class SlidingWindow:
     """The window arithmetic for one manager (one window, one block size)."""
 

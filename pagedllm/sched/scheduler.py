@@ -35,7 +35,7 @@ import logging
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.kv.manager import KVCacheManager, PrefixHit
-from pagedllm.kv.window import max_blocks_held
+from pagedllm.kv.window import min_blocks_to_serve
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sched.memory import KVMemoryPolicy
 from pagedllm.sched.output import ScheduledRequest, SchedulerOutput
@@ -101,23 +101,13 @@ class Scheduler:
                 f"the prompt has {num_prompt_tokens} tokens but max_model_len={max_len} leaves no "
                 f"room to generate; shorten the prompt or raise --max-model-len"
             )
-        blocks = self._peak_blocks(num_prompt_tokens)
+        blocks = min_blocks_to_serve(num_prompt_tokens, self.kv.block_size,
+                                     self.kv.sliding_window, self.config.enable_chunked_prefill)
         if blocks > self.kv.max_num_blocks:
             raise ValueError(
                 f"the prompt needs {blocks} KV blocks of {self.kv.block_size} tokens but the pool "
                 f"has {self.kv.max_num_blocks}; raise --kv-cache-memory / --num-kv-blocks"
             )
-
-    def _peak_blocks(self, num_prompt_tokens: int) -> int:
-        """The fewest blocks the prompt and its first generated token can be served with: all of
-        them, or with a sliding window its window plus the smallest chunk (one token; the whole
-        prompt without chunked prefill)."""
-        bs, total = self.kv.block_size, -(-(num_prompt_tokens + 1) // self.kv.block_size)
-        w = self.kv.window
-        if w is None:
-            return total
-        first = 1 if self.config.enable_chunked_prefill else num_prompt_tokens
-        return min(total, max(max_blocks_held(w.window, bs, first), max_blocks_held(w.window, bs)))
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (stop, length, abort) a request wherever it is; its blocks go back to the pool."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import pagedllm.kv.manager as manager_mod
+import pagedllm.kv.prefix as prefix_mod
 from pagedllm.kv.manager import KVCacheManager, PrefixHit
 
 
@@ -137,13 +137,13 @@ def test_partial_and_uncomputed_blocks_are_never_shared() -> None:
 
 def test_each_block_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, ...]] = []
-    real = manager_mod.hash_block_tokens
+    real = prefix_mod.hash_block_tokens
 
     def counting(parent, token_ids, extra_keys):
         calls.append(token_ids)
         return real(parent, token_ids, extra_keys)
 
-    monkeypatch.setattr(manager_mod, "hash_block_tokens", counting)
+    monkeypatch.setattr(prefix_mod, "hash_block_tokens", counting)
     m = make()
     tokens = list(range(6))
     m.allocate_slots("a", 6)
@@ -191,7 +191,7 @@ def test_hit_on_running_request_needs_no_free_blocks() -> None:
 
 
 def test_hash_collision_never_gives_a_wrong_hit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(manager_mod, "hash_block_tokens", lambda parent, tokens, extra: 0)
+    monkeypatch.setattr(prefix_mod, "hash_block_tokens", lambda parent, tokens, extra: 0)
     m = make()
     a = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     run_prompt(m, "a", a)
