@@ -131,3 +131,25 @@ def test_importing_the_planner_does_not_import_torch() -> None:
 
 def test_shipped_model_path_is_the_default() -> None:
     assert _config().model.model == default_model_path()
+
+
+def test_windowed_requests_count_only_their_window(make_model: object) -> None:
+    """A sliding-window model replays with the engine's ring: more requests run at once in the
+    same pool than with every block kept, none holds more than its window's blocks, and the
+    plan says so."""
+    path = make_model("mistral", sliding_window=8)  # type: ignore[operator]
+    reqs = [BenchRequest(list(range(10 + i, 16 + i)), 40) for i in range(6)]
+    runs = {}
+    for free in (True, False):
+        cfg = _config(model=str(path), num_kv_blocks=24, free_window_blocks=free)
+        records: list[int] = []
+        res = replay(reqs, cfg, on_step=lambda rec, _, seen=records: seen.append(
+            rec.max_blocks_per_request))
+        runs[free] = (res, max(records))
+    (ring, most_ring), (kept, most_kept) = runs[True], runs[False]
+    assert most_ring <= -(-8 // 4) + 1 < most_kept
+    assert ring.num_preemptions == 0 < kept.num_preemptions
+    from pagedllm.planner.plan import pool_lines
+
+    lines = pool_lines(_config(model=str(path), num_kv_blocks=24))
+    assert any("fits 8 requests of max_model_len=64 (sliding window 8" in ln for ln in lines)
