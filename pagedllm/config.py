@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedllm.config_hf import qwen2_full_layers, rope_from_hf
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {
@@ -85,49 +87,6 @@ def normalize_dtype(dtype: str, config_dtype: str | None) -> str:
     return resolved
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """Read RoPE settings the way transformers does.
-
-    transformers >= 5 writes ``rope_parameters`` (with ``rope_theta`` inside); older versions
-    write ``rope_theta`` at top level and ``rope_scaling`` (keys ``type`` or ``rope_type``).
-    Returns (theta, scaling) where scaling is None for plain RoPE, else a dict with ``rope_type``.
-    """
-    params = cfg.get("rope_parameters")
-    scaling: dict[str, Any] | None
-    if isinstance(params, dict):
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = float(cfg.get("rope_theta", 10000.0))
-        raw = cfg.get("rope_scaling")
-        scaling = dict(raw) if isinstance(raw, dict) else None
-    if scaling is not None:
-        rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-        scaling.pop("type", None)
-        if rope_type == "default":
-            return theta, None
-        if rope_type not in ("linear", "dynamic", "llama3"):
-            raise ValueError(
-                f"rope type {rope_type!r} is not supported; supported: default, linear, dynamic, llama3"
-            )
-        scaling["rope_type"] = rope_type
-    return theta, scaling
-
-
-def _qwen2_full_layers(cfg: dict[str, Any], n_layers: int,
-                       sliding: int | None) -> tuple[int, ...]:
-    """Qwen2's full-attention layers as transformers reads them: ``layer_types`` when given, else
-    every layer below ``max_window_layers`` (default 28) when the window is on."""
-    types = cfg.get("layer_types")
-    if not types:
-        below = int(cfg.get("max_window_layers", 28))
-        types = ["sliding_attention" if sliding is not None and i >= below else "full_attention"
-                 for i in range(n_layers)]
-    if len(types) != n_layers:
-        raise ValueError(f"layer_types has {len(types)} entries for {n_layers} layers")
-    return tuple(i for i, t in enumerate(types) if t != "sliding_attention")
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family checkpoint, normalised from its HF config.json."""
@@ -175,7 +134,7 @@ class ModelConfig:
         n_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // n_heads
-        theta, scaling = _rope_from_hf(cfg)
+        theta, scaling = rope_from_hf(cfg)
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act={act!r} is not supported (only silu)")
@@ -183,7 +142,7 @@ class ModelConfig:
         if arch == "Qwen2ForCausalLM":
             attn_bias = True
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-            if len(full := _qwen2_full_layers(cfg, n_layers, sliding)) == n_layers:
+            if len(full := qwen2_full_layers(cfg, n_layers, sliding)) == n_layers:
                 sliding, full = None, ()
         else:  # Mistral windows every layer (transformers ignores a Mistral's layer_types)
             attn_bias = bool(cfg.get("attention_bias", False))
