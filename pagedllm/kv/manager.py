@@ -69,9 +69,9 @@ class KVCacheManager:
         self.window = None if sliding_window is None else SlidingWindow(sliding_window, block_size)
         self.stats = PrefixCacheStats()
         self._tables: dict[str, list[KVBlock]] = {}  # the blocks held, in token order
-        # below: swapped-out requests keep theirs. Positions freed behind the window (offset):
+        # per request, kept while swapped out: positions freed behind the window, and the hashes
+        # of the leading full blocks by position (None: skipped by a windowed hit)
         self._skipped: dict[str, int] = {}
-        # hashes of the leading full blocks by position (None: skipped by a windowed hit)
         self._hashes: dict[str, list[BlockHash | None]] = {}
         self._pins: list[str] = []  # pseudo-requests holding pinned (preheated) prefix blocks
         self.num_window_freed = 0  # blocks freed behind the sliding window, in all
@@ -118,9 +118,8 @@ class KVCacheManager:
         A position freed behind the sliding window reads as the request's first held block: every
         entry names a block the request holds, so a backend that gathers such a position (it is
         always masked out) reads this request's own K/V, never a freed block being rewritten."""
-        ids = [b.block_id for b in self._held(request_id)]
-        k = self._skipped[request_id]
-        return [ids[0]] * k + ids if k and ids else ids
+        ids = self.held_blocks(request_id)
+        return ids[:1] * self._skipped[request_id] + ids
 
     def num_blocks_of(self, request_id: str) -> int:
         """Device blocks the request holds (0 if none; placeholders not counted)."""
@@ -129,12 +128,8 @@ class KVCacheManager:
     def num_shared_blocks_of(self, request_id: str) -> int:
         """Leading held blocks of the request's table that others hold too (ref count > 1): prefix
         hits and forks share a table's head, so the count stops at the first private block."""
-        n = 0
-        for b in self._tables.get(request_id, ()):
-            if b.ref_cnt < 2:
-                break
-            n += 1
-        return n
+        table = self._tables.get(request_id, [])
+        return next((i for i, b in enumerate(table) if b.ref_cnt < 2), len(table))
 
     def held_blocks(self, request_id: str) -> list[int]:
         """Ids of the blocks the request holds, in token order (no placeholders)."""
@@ -205,8 +200,7 @@ class KVCacheManager:
             table = self._tables[request_id] = list(hit)
             skip = prefix.num_skipped if prefix is not None and hit else 0
             self._skipped[request_id] = skip
-            unknown: list[BlockHash | None] = [None] * skip
-            self._hashes[request_id] = unknown + hit_hashes
+            self._hashes[request_id] = [*[None] * skip, *hit_hashes]
         self.cow.before_write(request_id, table, self.pool)
         n_new = -(-num_total_tokens // self.block_size) - len(table) - self._skipped[request_id]
         if n_new > 0:
@@ -329,9 +323,7 @@ class KVCacheManager:
         """Move the request's held blocks to the host tier: (device, host) pairs to copy, or None
         (nothing changed) if it lacks room. The request keeps its computed count, prefix hashes
         and window offset; its device blocks are freed (shared ones stay with their holders)."""
-        table = self._tables.get(request_id)
-        if table is None:
-            raise KeyError(f"no blocks allocated for request {request_id!r}")
+        table = self._held(request_id)
         if len(table) > self.host.num_free_blocks:
             return None
         pairs = self.host.swap_out(request_id, self.cow.sources(request_id, table))
@@ -371,10 +363,8 @@ class KVCacheManager:
         Returns the (src, dst) moves to apply. Between steps only (no copy-on-write pending)."""
         assert not self.cow.pending, "compact() between steps only (copy-on-write copies pending)"
         remap = self.pool.compact()
-        if remap:
-            for table in self._tables.values():
-                for i, b in enumerate(table):
-                    table[i] = remap.get(b.block_id, b)
+        for table in self._tables.values():
+            table[:] = [remap.get(b.block_id, b) for b in table]
         return [(s, d.block_id) for s, d in remap.items()]
 
     def grow(self, n: int) -> None:
