@@ -68,6 +68,7 @@ class Outcome:
 class SoakResult:
     outcomes: list[Outcome] = field(default_factory=list)
     rss: list[tuple[float, float]] = field(default_factory=list)  # (seconds, MiB)
+    load: list[tuple[float, float]] = field(default_factory=list)  # (seconds, 1-min load average)
 
 
 def rss_mib(pid: int) -> float | None:
@@ -176,6 +177,7 @@ async def _drive(base: str, pid: int, num_requests: int, time_limit: float | Non
             mib = rss_mib(pid)
             if mib is not None:
                 res.rss.append((time.monotonic() - t0, mib))
+            res.load.append((time.monotonic() - t0, os.getloadavg()[0]))
             await asyncio.sleep(rss_every)
 
     async with httpx.AsyncClient(base_url=base, limits=limits, timeout=300) as client:
@@ -244,6 +246,10 @@ def summarize(res: SoakResult, leaked: int, usage: float, drained: bool, exit_co
         "rss_growth_pct": growth,
         "p99_ms": {"first_10pct": first, "last_10pct": last}, "completed": len(done),
         "p99_drift_pct": 100.0 * (last - first) / first if first else None,
+        # the latency drift follows the machine's load on a shared machine: judge it beside this
+        "loadavg": {"first_10pct": _mean_between(res.load, 0.0, warm_t),
+                    "last_10pct": _mean_between(res.load, done[-tenth][0] if done else 0.0, float("inf")),
+                    "samples": [[round(t, 1), round(v, 2)] for t, v in res.load]},
         "drained_exit_code": exit_code, "drained": drained,
     }
     report["targets"] = {
@@ -301,11 +307,22 @@ def format_report(r: dict[str, Any]) -> str:
         "RSS over time (s: MiB): " + ", ".join(f"{s:.0f}: {m:.0f}" for s, m in _spread(rss["samples"])),
         f"p99 e2e ms: first 10 % {r['p99_ms']['first_10pct']:.0f}, last 10 % "
         f"{r['p99_ms']['last_10pct']:.0f}; drift {_pct(r['p99_drift_pct'])}  [{ok[t['p99_drift_pct']]}]",
+        f"1-min load average while the first / last 10 % ran: {_num(r['loadavg']['first_10pct'])} / "
+        f"{_num(r['loadavg']['last_10pct'])} ({os.cpu_count()} CPUs)",
         f"SIGTERM drain: exit code {r['drained_exit_code']}  [{ok[t['drain']]}]",
     ]
     for e in r["failure_examples"]:
         lines.append(f"  failure: {e}")
     return "\n".join(lines)
+
+
+def _mean_between(samples: list[tuple[float, float]], start: float, end: float) -> float | None:
+    vals = [v for t, v in samples if start <= t <= end]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _num(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1f}"
 
 
 def _mib(v: float | None) -> str:

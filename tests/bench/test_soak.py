@@ -28,9 +28,9 @@ def test_soak_runs_and_reports_its_keys(tmp_path: Path) -> None:
     r = json.loads((tmp_path / "soak.json").read_text())
     assert r["requests"] == 60 and set(r["by_kind"]) <= {"valid", "disconnect", "invalid"}
     for key in ("statuses", "valid_5xx", "invalid_5xx", "failures", "leaked_blocks", "kv_usage_at_idle",
-                "rss_mib", "rss_growth_pct", "p99_ms", "p99_drift_pct", "drained_exit_code", "targets"):
+                "rss_mib", "rss_growth_pct", "p99_ms", "p99_drift_pct", "loadavg", "drained_exit_code", "targets"):
         assert key in r, key
-    assert r["rss_mib"]["samples"] and r["completed"] > 0
+    assert r["rss_mib"]["samples"] and r["loadavg"]["samples"] and r["completed"] > 0
     t = r["targets"]
     assert t["valid_5xx"] and t["leaked_blocks"] and t["drain"], r  # these hold at any size
     assert code == (0 if all(t.values()) else 1)
