@@ -55,6 +55,7 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0  # FCFS tie-break, assigned by the scheduler
+    fork_seq: int = 0  # orders the beams of one search, which all keep its arrival_seq
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0
@@ -65,6 +66,8 @@ class Request:
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     first_token_time: float | None = None
+    # False: preempted by recompute whatever preemption_mode says (beams, pagedllm.engine.beam)
+    swappable: bool = True
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -101,9 +104,9 @@ class Request:
         return room if mt is None else min(mt, room)
 
     @property
-    def sort_key(self) -> tuple[int, int]:
+    def sort_key(self) -> tuple[int, int, int]:
         """Lower = more urgent: priority first, then arrival (FCFS)."""
-        return (self.priority, self.arrival_seq)
+        return (self.priority, self.arrival_seq, self.fork_seq)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -100,3 +100,11 @@ def sampling_hf(sampling_model: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(sampling_model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_llama(tiny_models: dict[str, Path]) -> Any:
+    """HF transformers on ``tiny_models["llama"]``, fp32: the independent reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32).eval()

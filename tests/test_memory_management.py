@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from engine_checks import assert_same_completion, assert_same_outputs, audit_kv_moves
+from engine_checks import (
+    assert_beams_match_hf,
+    assert_same_completion,
+    assert_same_outputs,
+    audit_kv_moves,
+)
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine import LLMEngine
@@ -173,31 +179,14 @@ def test_greedy_n_samples_match_greedy_and_abort_leaks_nothing(
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_beam_search_matches_hf(tiny_models: dict[str, Path], block_size: int) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    path = tiny_models["llama"]
+def test_beam_search_matches_hf(tiny_models: dict[str, Path], hf_llama: Any, block_size: int) -> None:
     prompts = _prompts(3, seed=11, lo=6, hi=30)
     width, steps = 3, 6
     llm = _llm(tiny_models, block_size=block_size, num_kv_blocks=128)
     outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], beam_width=width,
                            max_tokens=steps)
     _all_back(llm.engine)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert len(outs) == len(prompts)
-    for p, o in zip(prompts, outs):
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 num_beams=width, num_return_sequences=width, do_sample=False,
-                                 length_penalty=0.0, max_new_tokens=steps, eos_token_id=None,
-                                 pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-        hf_seqs = [s[len(p):].tolist() for s in ref.sequences]
-        assert [s.token_ids for s in o.sequences] == hf_seqs
-        assert len(o.sequences) == len(ref.sequences_scores) == width
-        for s, score in zip(o.sequences, ref.sequences_scores.tolist()):
-            # a sum of 6 fp32 logprobs; measured max |Δ| 8.8e-6 over 18 beams at both block sizes
-            assert abs(s.cumulative_logprob - score) < 5e-5
+    assert_beams_match_hf(outs, hf_llama, prompts, width, steps)
 
 
 # -- 3. warm-up and prefix-cache stats ----------------------------------------------------------
@@ -303,6 +292,48 @@ def test_preemption_modes_keep_greedy_outputs(tiny_models: dict[str, Path], refe
     assert (stats["swapped_out_blocks"] > 0) == (kind == "swap")
     assert moves["swapped_in"] == stats["swapped_in_blocks"]  # each one checked bit-exact
     _check_all(done, prompts, reference)
+    _all_back(eng)
+    assert eng.kv.num_free_host_blocks == eng.kv.num_host_blocks
+
+
+@pytest.mark.parametrize("first", ["requests", "beams"])
+def test_beam_search_beside_swap_preemption_finishes_and_matches_hf(
+        tiny_models: dict[str, Path], hf_llama: Any, reference: dict, first: str) -> None:
+    """Beam searches and greedy requests in a pool too small for both, preemption_mode=swap.
+    Requests first: the beams are the youngest, so the victims; a beam swapped out after scoring
+    had nothing left to compute, was never scored again and its search hung. Beams first: forked
+    beams were younger than the requests that came after their search, which took the blocks the
+    parked siblings waited for (swapped out and in every step). Beams are recomputed and keep
+    their search's arrival; a step cap turns a hang into a failure."""
+    llm = _llm(tiny_models, num_kv_blocks=32, max_num_batched_tokens=48, swap_space=0.002,
+               preemption_mode="swap", reserved_fraction=0.0)
+    eng = llm.engine
+    beam_prompts, prompts = _prompts(3, seed=11, lo=6, hi=30), _prompts(12)[:4]
+    width, steps = 3, 6
+    if first == "beams":
+        for i, p in enumerate(beam_prompts):
+            eng.add_beam_search(f"b{i}", {"prompt_token_ids": p}, width, steps)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"q{i}", {"prompt_token_ids": p}, GREEDY)
+    if first == "requests":
+        for i, p in enumerate(beam_prompts):
+            eng.add_beam_search(f"b{i}", {"prompt_token_ids": p}, width, steps)
+    done: dict[str, Any] = {}
+    swapped_beams: set[str] = set()
+    for _ in range(300):
+        if not eng.has_unfinished_requests():
+            break
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+        eng.check_integrity()
+        swapped_beams.update(r.request_id for r in eng.scheduler.swapped if eng.beams.owns(r.request_id))
+    assert not eng.has_unfinished_requests(), f"hung: {eng.request_ids()} unfinished"
+    kinds = eng.scheduler.preemptions_by_kind
+    # requests swapped; beams, the victims only when they came last, recomputed
+    assert kinds["swap"] > 0 and (kinds["recompute"] > 0) == (first == "requests"), kinds
+    assert not swapped_beams
+    searches = [SimpleNamespace(sequences=done[f"b{i}"].outputs) for i in range(3)]
+    assert_beams_match_hf(searches, hf_llama, beam_prompts, width, steps)
+    _check_all({k: v.outputs for k, v in done.items() if k.startswith("q")}, prompts, reference)
     _all_back(eng)
     assert eng.kv.num_free_host_blocks == eng.kv.num_host_blocks
 

@@ -12,7 +12,11 @@ candidates instead of appending the sampled token, so the beam parks (nothing le
 until every beam of its search has been scored; then ``select`` appends each beam's chosen token,
 forks a parent that has several surviving children (``Scheduler.fork_request``: shared blocks,
 the partial last block copied on write) and finishes parents that have none. A beam preempted
-meanwhile simply recomputes and is scored again.
+meanwhile recomputes and is scored again; beams are never swapped (``Request.swappable``): one
+swapped out after scoring would come back with nothing to compute, never scored again, and a
+swap-in needs the whole block table back unshared (the host tier keeps no sharing), while a
+recomputed beam finds its siblings' blocks in the prefix cache. Forked beams keep their search's
+place in line (``Scheduler.fork_request``), so requests that arrive later cannot starve them.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class _Search:
         req = Request(f"{self.request_id}#beam{next(self.ids)}", self.prompt, params,
                       max_model_len=self.max_model_len, arrival_time=self.arrival)
         req.token_ids = list(token_ids)
+        req.swappable = False
         return req
 
 

@@ -50,7 +50,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: list[tuple[tuple[int, int], Request]] = []  # heap by sort_key
+        self.waiting: list[tuple[tuple[int, int, int], Request]] = []  # heap by sort_key
         self.running: list[Request] = []  # kept sorted by sort_key
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -285,9 +285,10 @@ class Scheduler:
         """Swap the victim to the host tier or free it for recompute (``preemption_mode``)."""
         self.running.remove(req)
         rid = req.request_id
-        how, why = choose_preemption(self.config.preemption_mode, self.cost_model,
-                                     req.num_computed_tokens, len(self.kv.held_blocks(rid)),
-                                     self.kv.num_free_host_blocks)
+        how, why = (choose_preemption(self.config.preemption_mode, self.cost_model,
+                                      req.num_computed_tokens, len(self.kv.held_blocks(rid)),
+                                      self.kv.num_free_host_blocks)
+                    if req.swappable else ("recompute", "not swappable (a beam)"))
         pairs = self.kv.swap_out(rid) if how == "swap" else None
         if pairs is not None:
             out.kv.swap_out.extend(pairs)
@@ -361,7 +362,8 @@ class Scheduler:
         if child.request_id in self.requests:
             raise ValueError(f"request_id {child.request_id!r} is already in use")
         self.kv.fork(parent.request_id, child.request_id, parent.num_computed_tokens)
-        child.arrival_seq = next(self._arrivals)
+        # a beam keeps its search's place in line (later requests would starve it otherwise)
+        child.arrival_seq, child.fork_seq = parent.arrival_seq, next(self._arrivals)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
         self.requests[child.request_id] = child
