@@ -52,7 +52,8 @@ def _generate(llm: LLM, prompts: list[list[int]], defrag: bool = False) -> tuple
     return [done[f"q{i}"] for i in range(len(prompts))], steps, moved
 
 
-@pytest.mark.parametrize("kv", KV_DTYPES, ids=["int8", "v-int8", "fp8-mixed"])
+@pytest.mark.parametrize("kv", [KV_DTYPES[0], *(pytest.param(k, marks=pytest.mark.slow) for k in KV_DTYPES[1:])],
+                         ids=["int8", "v-int8", "fp8-mixed"])
 def test_swap_and_compaction_keep_quantized_greedy_outputs(
     tiny_models: dict[str, Path], kv: dict[str, str]
 ) -> None:
@@ -108,6 +109,7 @@ def test_plan_shows_quantized_sizing(tiny_models: dict[str, Path]) -> None:
     assert bad.returncode != 0 and "int4" in bad.stderr
 
 
+@pytest.mark.slow
 def test_triton_engine_matches_cpu_on_quantized_cache(tiny_models: dict[str, Path]) -> None:
     """Interpreted Triton kernels (write + decode + chunked prefill) give the cpu backend's greedy
     tokens on an int8 K / fp8 V cache."""

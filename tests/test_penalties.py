@@ -59,7 +59,7 @@ def test_repetition_penalty_matches_hf(tiny_models: dict[str, Path], hf: torch.n
         assert g == seq[0, len(p):].tolist()
 
 
-@pytest.mark.parametrize("num_kv_blocks", [128, 14])  # 14: forced preemption by recompute
+@pytest.mark.parametrize("num_kv_blocks", [128, pytest.param(14, marks=pytest.mark.slow)])  # 14: forced preemption by recompute
 def test_presence_and_frequency_penalties_match_the_formula(
         tiny_models: dict[str, Path], hf: torch.nn.Module, num_kv_blocks: int) -> None:
     """Mixed batch: penalised and plain requests side by side; counts carried across steps."""

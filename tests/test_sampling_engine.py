@@ -52,6 +52,7 @@ def test_mixed_batch_matches_the_reference_token_for_token(
         assert step is None, f"{name} {CONFIGS[name]}, seed {s}: token {step} is not the reference's"
 
 
+@pytest.mark.slow
 def test_every_option_decides_some_token(sampling_hf: Any,
                                          outputs: dict[tuple[str, int], list[int]]) -> None:
     """The test above can fail: with any one option of a row dropped (or its temperature moved),

@@ -165,7 +165,7 @@ def _probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
                           timeout=300)
 
 
-@pytest.mark.parametrize("cxx", ["/nonexistent/c++", "false"])
+@pytest.mark.parametrize("cxx", ["/nonexistent/c++", pytest.param("false", marks=pytest.mark.slow)])
 def test_no_compiler_falls_back_with_one_warning(tmp_path: Path, cxx: str) -> None:
     """A missing compiler (or one that fails): one warning naming the cause and the fix, and
     the backend runs (correctly) on its SDPA path."""
@@ -177,6 +177,7 @@ def test_no_compiler_falls_back_with_one_warning(tmp_path: Path, cxx: str) -> No
     assert not list(tmp_path.rglob("*.so"))
 
 
+@pytest.mark.slow
 def test_switched_off_by_env(tmp_path: Path) -> None:
     r = _probe({"PAGEDLLM_CPU_KERNELS": "0", "PAGEDLLM_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr

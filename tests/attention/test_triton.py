@@ -198,6 +198,7 @@ def test_random_batches(
     run_both(reqs, block_size, heads[0], heads[1], head_dim, dtype, window, seed, min_split_len)
 
 
+@pytest.mark.slow
 def test_engine_greedy_matches_cpu(tiny_models: dict[str, Path]) -> None:
     """The whole engine with the triton backend (interpreted) gives the cpu backend's tokens."""
     from pagedllm import LLM, SamplingParams

@@ -143,6 +143,7 @@ def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[st
                           text=True, env=env, timeout=300, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_kernel_bench_triton_in_the_interpreter(tmp_path: Path) -> None:
     """``bench kernel --backend triton`` on CPU under TRITON_INTERPRET=1 (which must be set
     before triton is imported, hence a subprocess): the CUDA-shaped path with its rates; without

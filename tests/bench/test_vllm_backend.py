@@ -61,6 +61,7 @@ def _kwargs(model: Path, **kw: object) -> dict:
     return dict(model=str(model), max_model_len=64, block_size=4, **kw)
 
 
+@pytest.mark.slow
 def test_stand_in_runs_the_workload_with_the_engine_settings(stand_in: str,
                                                               tiny_models: dict[str, Path]) -> None:
     kw = _kwargs(tiny_models["llama"], kv_cache_memory="512MiB")

@@ -135,7 +135,8 @@ def test_each_rank_reads_only_its_slices(tiny_models: dict[str, Path], monkeypat
 
 
 # -- TP=2 generates what TP=1 does -------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])  # head_dim != hidden/heads; GQA + bias + tied; MQA
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
+                                  pytest.param("mistral", marks=pytest.mark.slow)])  # head_dim != hidden/heads; GQA + bias + tied; MQA
 def test_tp2_greedy_matches_tp1(tiny_models: dict[str, Path], arch: str) -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, prompt_logprobs=2, ignore_eos=True)
     outs = {}
@@ -165,6 +166,7 @@ def test_tp2_greedy_matches_tp1(tiny_models: dict[str, Path], arch: str) -> None
             assert max(abs(pa[k].logprob - pb[k].logprob) for k in pa) < LP_TOL
 
 
+@pytest.mark.slow
 def test_tp2_block_moves_match_tp1(tiny_models: dict[str, Path]) -> None:
     """Swap preemption, copy-on-write (n=2), an elastic pool that grows and compacts: every KV block
     move reaches every rank, so outputs still match."""
@@ -214,7 +216,7 @@ def _warm(engine: LLMEngine) -> None:
         engine.step()
 
 
-@pytest.mark.parametrize("when", ["between-steps", "inside-a-step"])
+@pytest.mark.parametrize("when", ["between-steps", pytest.param("inside-a-step", marks=pytest.mark.slow)])
 def test_killed_worker_fails_the_engine_at_once_and_leaves_no_process(
         tiny_models: dict[str, Path], when: str) -> None:
     before = _spawned_children()
@@ -265,6 +267,7 @@ def test_hung_worker_hits_the_collective_timeout(tiny_models: dict[str, Path]) -
     _wait_gone([pid], 5)
 
 
+@pytest.mark.slow
 def test_workers_exit_when_the_engine_process_dies(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     script = tmp_path / "crash.py"
     script.write_text(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
@@ -11,6 +12,7 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", '"""Return the ', "
 NEW = 24
 
 
+@pytest.mark.slow
 def test_default_model_greedy_and_prompt_logprobs_match_hf() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -154,7 +154,7 @@ def test_float16_engine_matches_hf_float16(tiny_models: dict[str, Path], arch: s
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("window", [16, 32])
+@pytest.mark.parametrize("window", [16, pytest.param(32, marks=pytest.mark.slow)])
 def test_sliding_window_shorter_than_the_prompts_matches_hf(make_model: Any, window: int) -> None:
     """A Mistral whose window is shorter than most prompts (and than prompt + output): greedy
     tokens identical to HF, logprobs within 1e-4, at block sizes below and at the window."""

@@ -23,7 +23,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
             for i in range(n)]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", [pytest.param("recompute", marks=pytest.mark.slow), "swap"])
 def test_trace_of_generate_replays_exactly(tiny_models: dict[str, Path], tmp_path: Path,
                                            mode: str) -> None:
     path = tmp_path / "kv.jsonl"
