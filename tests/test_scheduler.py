@@ -90,6 +90,17 @@ def test_priority_orders_admission_and_victims() -> None:
     assert s.kv.num_free_blocks == 6
 
 
+def test_an_urgent_arrival_preempts_the_least_urgent_running_request() -> None:
+    s = make(num_blocks=6, budget=32)
+    s.add_request(req("mid", 10, max_tokens=8, priority=3))
+    s.add_request(req("low", 10, max_tokens=8, priority=5, base=200))
+    assert run_step(s)[0] == {"mid": 10, "low": 10}  # 3 blocks each: the pool is full
+    s.add_request(req("urgent", 4, priority=0, base=300))
+    sched, pre = run_step(s)
+    assert pre == ["low"] and sched == {"mid": 1, "urgent": 4}  # not "mid", more urgent than "low"
+    assert s.preemptions_by_kind["priority"] == 1
+
+
 def test_prompt_that_can_never_fit_fails_at_once() -> None:
     s = make(num_blocks=3, block_size=4, max_len=40)
     with pytest.raises(ValueError, match="KV blocks"):
