@@ -73,7 +73,7 @@ def run_checked(llm: LLM, prompts: list[list[int]], max_tokens: int, window: int
 
 
 def check_against_hf(path: Path, window: int, block_size: int, mode: str, n: int,
-                     max_tokens: int, num_kv_blocks: int) -> None:
+                     max_tokens: int, num_kv_blocks: int, hits_expected: bool = True) -> None:
     prompts = make_prompts(n, shared=3 * n // 4)
     llm = LLM(model=str(path), block_size=block_size, num_kv_blocks=num_kv_blocks,
               max_model_len=n + max_tokens + 8, max_num_batched_tokens=96, reserved_fraction=0.0,
@@ -83,7 +83,9 @@ def check_against_hf(path: Path, window: int, block_size: int, mode: str, n: int
     outs = run_checked(llm, [prompts[1], prompts[2], prompts[0]], max_tokens, window, block_size)
     stats = llm.kv_stats()
     assert stats["num_preemptions"] > 0 and stats["preemptions_by_kind"][mode] > 0
-    assert stats["prefix_cache_hits"] > 0 and stats["window_freed_blocks"] > 0
+    assert stats["window_freed_blocks"] > 0
+    if hits_expected:
+        assert stats["prefix_cache_hits"] > 0
     assert stats["used_blocks"] == 0
     assert first[0] == outs[2]
     for p, got in zip([prompts[1], prompts[2], prompts[0]], outs):
@@ -102,9 +104,12 @@ def test_window_32_matches_hf_under_preemption_and_prefix_hits(windowed: dict[in
 @pytest.mark.parametrize("window", [32, 64])
 def test_600_token_prompts_and_generations_match_hf(windowed: dict[int, Path], window: int,
                                                     block_size: int, mode: str) -> None:
+    # three requests decoding hold 3 * per_req blocks: one more than two windows forces
+    # preemption. Recomputed requests hit their own window; swapped ones are never recomputed,
+    # and in so small a pool the shared prefix's window is evicted before p0 can hit it.
     per_req = -(-window // block_size) + 1
     check_against_hf(windowed[window], window, block_size, mode, n=600, max_tokens=600,
-                     num_kv_blocks=2 * per_req + 96 // block_size + 2)
+                     num_kv_blocks=2 * per_req + 1, hits_expected=mode == "recompute")
 
 
 @pytest.mark.slow
