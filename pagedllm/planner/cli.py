@@ -1,6 +1,6 @@
 """``pagedllm plan`` (pool sizing, and with a workload the replay) and ``pagedllm plan calibrate``.
 
-Registered by ``pagedllm.cli``; torch is imported only by ``calibrate`` and ``--compare``.
+Registered by ``pagedllm.entrypoints.cli``; torch is imported only by ``calibrate`` and ``--compare``.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def register(subparsers: Any) -> None:
     c.add_argument("--output", type=Path, required=True, metavar="FILE", help="profile JSON")
     c.add_argument("--reps", type=int, default=3, help="repetitions per grid cell (median kept)")
     c.add_argument("--max-seconds", type=float, default=300.0,
-                   help="stop adding grid cells after this long (default: 300)")
+                   help="stop adding grid cells after this many seconds on --clock "
+                   "(default: 300)")
     c.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     c.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: seconds as they pass (default); cpu: the process's CPU seconds, "
