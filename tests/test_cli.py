@@ -23,6 +23,22 @@ def test_help_lists_subcommands() -> None:
     assert "generate" in r.stdout and "plan" in r.stdout
 
 
+def test_python_m_pagedllm_and_the_console_script_are_the_same_command() -> None:
+    from importlib.metadata import entry_points
+
+    from pagedllm.entrypoints.cli import main
+
+    (script,) = entry_points(group="console_scripts", name="pagedllm")
+    assert script.load() is main
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-m", "pagedllm", "plan", "--num-kv-blocks", "64"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == _cli("plan", "--num-kv-blocks", "64").stdout and "64 blocks" in r.stdout
+    assert subprocess.run([sys.executable, "-m", "pagedllm", "--help"], capture_output=True,
+                          text=True, env=env, timeout=300).stdout.startswith("usage: pagedllm ")
+
+
 def test_generate_streams_the_greedy_continuation(tiny_models: dict[str, Path]) -> None:
     model = str(tiny_models["llama"])
     r = _cli("generate", "t5 t6 t7", "--model", model, "--max-tokens", "6", "--ignore-eos")
