@@ -206,7 +206,8 @@ class CacheConfig:
     initial_num_kv_blocks: int | None = None
     grow_chunk: int = 64
     # Compaction triggers (``LLMEngine.defragment`` is always available on demand): every N steps,
-    # and/or when kv utilization (live tokens / slots of used blocks) stays below a threshold for
+    # and/or when KV utilization (live tokens / the slots their block tables reserve,
+    # ``sched.memory.kv_utilization``) stays below a threshold for
     # ``compact_window_steps`` consecutive steps.
     compact_every_n_steps: int | None = None
     compact_below_utilization: float | None = None

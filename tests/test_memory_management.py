@@ -399,7 +399,7 @@ def test_every_n_steps_trigger_fires_on_its_steps_only(tiny_models: dict[str, Pa
 @pytest.mark.parametrize("threshold", [0.0, 0.97, 1.01])  # never / sometimes / always below
 def test_low_utilization_trigger_fires_after_its_window_only(
         tiny_models: dict[str, Path], reference: dict, threshold: float) -> None:
-    """The trigger fires once utilization (live tokens / slots of used blocks) stayed below the
+    """The trigger fires once KV utilization (live tokens / their block tables' slots) stayed below the
     threshold for ``compact_window_steps`` consecutive steps, then counts afresh; a shadow of
     that rule, fed the utilization after each step, predicts every firing."""
     prompts = _prompts(12)
@@ -411,10 +411,10 @@ def test_low_utilization_trigger_fires_after_its_window_only(
 
     def check(step: int) -> None:
         nonlocal low, expected
-        live = sum(r.num_computed_tokens for r in eng.scheduler.requests.values()
-                   if eng.kv.has_request(r.request_id))
-        used = eng.kv.num_blocks - eng.kv.num_free_blocks
-        util = live / (used * 4) if used else 0.0
+        held = [r for r in eng.scheduler.requests.values() if eng.kv.has_request(r.request_id)]
+        live = sum(r.num_computed_tokens for r in held)
+        reserved = sum(len(eng.kv.held_blocks(r.request_id)) for r in held) * 4
+        util = live / reserved if reserved else 0.0
         low = low + 1 if util < threshold else 0
         if low == window:
             expected, low = expected + 1, 0

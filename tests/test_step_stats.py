@@ -85,7 +85,44 @@ def test_kv_stats_reads_the_record(tiny_models: dict[str, Path]) -> None:
     stats, now = llm.kv_stats(), eng.current_stats()
     assert stats["used_blocks"] == now.kv.used == _census(eng)["total"] - _census(eng)["free"] > 0
     assert stats["num_blocks"] == 64 and stats["free_blocks"] == now.kv.free
-    assert stats["kv_utilization"] == now.live_tokens / now.pool_tokens
+    assert stats["kv_utilization"] == now.kv_utilization == now.live_tokens / now.reserved_tokens
     eng.abort_request("a")
     assert eng.stats.num_running == 0 and eng.stats.kv.free == 64  # an abort refreshes it
     assert llm.kv_stats()["cached_blocks"] == _census(eng)["cached"] == 2
+
+
+def test_kv_utilization_has_one_definition_everywhere(tiny_models: dict[str, Path]) -> None:
+    """Live tokens / the slots of the holders' block tables, a shared block once per holder: with
+    two requests on one cached prefix it stays <= 1 (live / used pool slots would be > 1), and
+    kv_stats(), the step record, the benchmarks' probe and the planner's replay all give it."""
+    from pagedllm.bench.probe import StepTrace
+    from pagedllm.bench.workload import BenchRequest
+    from pagedllm.planner.cost import StepCostModel
+    from pagedllm.planner.replay import replay
+
+    llm = LLM(model=str(tiny_models["llama"]), block_size=4, num_kv_blocks=64, max_model_len=128)
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prefix = list(range(5, 17))  # 3 full blocks
+    eng.add_request("a", prefix + [20, 21], sp)
+    eng.step()
+    eng.add_request("b", prefix + [30], sp)
+    probe = StepTrace()
+    eng.step()
+    probe.add(eng.stats)
+    tables = {rid: eng.kv.block_table(rid) for rid in ("a", "b")}
+    assert tables["a"][:3] == tables["b"][:3]  # b hit a's prefix
+    live = sum(r.num_computed_tokens for r in eng.scheduler.running)
+    reserved = 4 * sum(len(t) for t in tables.values())
+    pool = 4 * len({b for t in tables.values() for b in t})
+    assert live / pool > 1 >= live / reserved  # what the two old definitions disagreed on
+    now = eng.current_stats()
+    assert llm.kv_stats()["kv_utilization"] == now.kv_utilization == live / reserved
+    assert eng.stats.kv_utilization == probe.utilization[0] == probe.summary()["kv_utilization"]
+    # the replay of the same arrivals (b once a's prefill ran) records the same step
+    one_s_per_token = StepCostModel((1,), (1.0,))
+    res = replay([BenchRequest(prefix + [20, 21], 6), BenchRequest(prefix + [30], 6)],
+                 eng.config, one_s_per_token, arrivals=[0.0, 0.5])
+    assert (res.series_live[1], res.series_reserved[1]) == (live, reserved)
+    assert res.kv_series()["kv_utilization"][1] == live / reserved
+    assert res.kv_means()["kv_utilization"] == sum(res.series_live) / sum(res.series_reserved)

@@ -10,7 +10,8 @@ Per step a ``StepTrace`` keeps, from the record::
                less the positions of blocks freed behind a sliding window
     pool       token slots the pool has handed out: (num_blocks - num_free_blocks) * block_size
 
-Utilization = live / reserved; 1 - utilization is the fraction of reserved slots that hold
+Utilization = live / reserved (``pagedllm.sched.memory.kv_utilization``, the engine's one
+definition); 1 - utilization is the fraction of reserved slots that hold
 nothing (internal fragmentation of last blocks, or a max-length reservation's unused tail).
 ``reserved`` counts a block shared through the prefix cache once per request that holds it, so
 utilization never exceeds 1 and is conservative for paging; ``pool`` counts it once (the memory
@@ -30,6 +31,7 @@ from typing import Any
 from pagedllm.bench.workload import BenchRequest
 from pagedllm.config import EngineConfig
 from pagedllm.sched import Scheduler
+from pagedllm.sched.memory import kv_utilization
 from pagedllm.sched.stats import StepStats
 
 
@@ -61,7 +63,7 @@ class StepTrace:
 
     @property
     def utilization(self) -> list[float]:
-        return [lv / rs if rs else 0.0 for lv, rs in zip(self.live, self.reserved)]
+        return [kv_utilization(lv, rs) for lv, rs in zip(self.live, self.reserved)]
 
     def summary(self) -> dict[str, Any]:
         """Peak concurrency and time-weighted utilization over the steps that held KV."""
@@ -74,7 +76,7 @@ class StepTrace:
             "mean_running": sum(self.running[i] for i in steps) / len(steps) if steps else 0.0,
             "peak_reserved_tokens": max(self.reserved, default=0),
             "peak_pool_tokens": max(self.pool, default=0),
-            "kv_utilization": live / reserved if reserved else 0.0,
+            "kv_utilization": kv_utilization(live, reserved),
         }
 
 

@@ -286,7 +286,7 @@ class LLMEngine:
             "max_blocks_per_request": s.max_blocks_per_request,
             "sliding_window": self.kv.sliding_window,  # None: every block is kept
             "window_freed_blocks": s.window_freed_blocks,
-            "kv_utilization": s.live_tokens / s.pool_tokens if s.pool_tokens else 0.0,
+            "kv_utilization": s.kv_utilization,
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
             "prefix_cache_hit_rate": s.prefix_cache_hit_rate,

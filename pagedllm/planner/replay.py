@@ -33,6 +33,7 @@ from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched import Scheduler
 from pagedllm.sched.build import build_scheduler
+from pagedllm.sched.memory import kv_utilization
 from pagedllm.sched.stats import StepStats
 
 if TYPE_CHECKING:
@@ -91,19 +92,18 @@ class ReplayResult:
             "t": [self.series_t[i] for i in idx],
             "running": [float(self.series_running[i]) for i in idx],
             "pool_usage": [self.series_pool[i] / slots for i in idx],
-            "kv_utilization": [self.series_live[i] / self.series_reserved[i]
-                               if self.series_reserved[i] else 0.0 for i in idx],
+            "kv_utilization": [kv_utilization(self.series_live[i], self.series_reserved[i])
+                               for i in idx],
         }
 
     def kv_means(self) -> dict[str, float]:
         """Step-averaged and peak pool use; KV utilization over the steps holding KV, weighted
         by their reserved slots (as the benchmarks' ``kv_utilization``)."""
         slots = self.num_blocks * self.block_size
-        reserved = sum(self.series_reserved)
         return {
             "mean_pool_usage": sum(self.series_pool) / (len(self.series_pool) or 1) / slots,
             "peak_pool_usage": max(self.series_pool, default=0) / slots,
-            "kv_utilization": sum(self.series_live) / reserved if reserved else 0.0,
+            "kv_utilization": kv_utilization(sum(self.series_live), sum(self.series_reserved)),
         }
 
 

@@ -14,7 +14,7 @@ initial size. The last two are decided at the end of a step and run as a KV-only
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from pagedllm.config import CacheConfig
 from pagedllm.kv.manager import KVCacheManager
@@ -22,13 +22,29 @@ from pagedllm.request import Request
 from pagedllm.sched.output import SchedulerOutput
 
 
-def kv_utilization(requests: Iterable[Request], kv: KVCacheManager) -> float:
-    """Live tokens / slots of the used blocks (1.0 = no internal fragmentation); positions freed
-    behind a sliding window are not live."""
-    used = kv.num_used_blocks
-    live = sum(r.num_computed_tokens - kv.num_skipped_blocks(r.request_id) * kv.block_size
-               for r in requests if kv.has_request(r.request_id))
-    return live / (used * kv.block_size) if used else 0.0
+def kv_utilization(live_tokens: int, reserved_tokens: int) -> float:
+    """KV utilization, the one definition (``kv_stats()``, ``StepStats.kv_utilization``, the
+    benchmarks, the planner and the low-utilization compaction trigger all use it): the share of
+    the slots in the block tables of the requests holding KV that hold a computed token
+    (``kv_slots``). 1 = no slot left empty; 1 - it is internal fragmentation. A shared block
+    counts once per table holding it, so it never exceeds 1; how much of the pool is handed out
+    is the pool usage (used blocks / blocks), a different number. 0 when nothing is reserved."""
+    return live_tokens / reserved_tokens if reserved_tokens else 0.0
+
+
+def kv_slots(requests: Iterable[Request], kv: KVCacheManager,
+             new_tokens: Mapping[str, int] | None = None) -> tuple[int, int]:
+    """(live, reserved) tokens of the ``requests`` holding device KV: live = computed tokens,
+    plus ``new_tokens`` the step about to run writes, less the positions freed behind a sliding
+    window; reserved = the blocks held x block size."""
+    live = reserved = 0
+    for r in requests:
+        rid = r.request_id
+        if kv.has_request(rid):
+            live += r.num_computed_tokens + (new_tokens.get(rid, 0) if new_tokens else 0)
+            live -= kv.num_skipped_blocks(rid) * kv.block_size
+            reserved += kv.num_blocks_of(rid)
+    return live, reserved * kv.block_size
 
 
 class KVMemoryPolicy:
@@ -72,7 +88,7 @@ class KVMemoryPolicy:
         every = c.compact_every_n_steps
         due = every is not None and every > 0 and self.steps % every == 0
         if c.compact_below_utilization is not None:
-            util = kv_utilization(requests, kv)
+            util = kv_utilization(*kv_slots(requests, kv))
             self.low_steps = self.low_steps + 1 if util < c.compact_below_utilization else 0
             if self.low_steps >= c.compact_window_steps:
                 due, self.low_steps = True, 0

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedllm.sched.memory import kv_slots, kv_utilization
+
 if TYPE_CHECKING:
     from pagedllm.sched.output import SchedulerOutput
     from pagedllm.sched.scheduler import Scheduler
@@ -82,9 +84,9 @@ class StepStats:
         return self.num_prefill_tokens + self.num_decode_tokens
 
     @property
-    def utilization(self) -> float:
-        """live / reserved (1 = no reserved slot left empty); 0 for an empty batch."""
-        return self.live_tokens / self.reserved_tokens if self.reserved_tokens else 0.0
+    def kv_utilization(self) -> float:
+        """live / reserved tokens of the step (``pagedllm.sched.memory.kv_utilization``)."""
+        return kv_utilization(self.live_tokens, self.reserved_tokens)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -95,7 +97,7 @@ class StepStats:
         """The record of the step ``out`` was just scheduled for."""
         kv = sched.kv
         new = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
-        prefill = live = blocks = most = decode_ctx = decode_shared = 0
+        prefill = most = decode_ctx = decode_shared = 0
         pairs = 0.0
         bs, w = kv.block_size, kv.sliding_window
         for s in out.scheduled:
@@ -110,17 +112,12 @@ class StepStats:
             else:  # query c + j (j = 1..n) sees min(c + j, w) keys
                 k = min(max(w - c, 0), n)
                 pairs += k * c + k * (k + 1) / 2 + (n - k) * w
-        for r in sched.running:
-            held = kv.num_blocks_of(r.request_id)
-            live += r.num_computed_tokens + new.get(r.request_id, 0)
-            if held:
-                live -= kv.num_skipped_blocks(r.request_id) * bs
-            blocks += held
-            most = max(most, held)
+        live, reserved = kv_slots(sched.running, kv, new)
+        most = max((kv.num_blocks_of(r.request_id) for r in sched.running), default=0)
         return cls(
             step=sched.num_steps, num_scheduled_requests=len(out.scheduled),
             num_prefill_tokens=prefill, num_decode_tokens=out.num_batched_tokens - prefill,
-            batch_running=len(sched.running), live_tokens=live, reserved_tokens=blocks * bs,
+            batch_running=len(sched.running), live_tokens=live, reserved_tokens=reserved,
             pool_tokens=kv.num_used_blocks * bs, decode_context_tokens=decode_ctx,
             decode_shared_context_tokens=decode_shared, prefill_attention_pairs=pairs,
             max_blocks_per_request=most,
