@@ -32,10 +32,15 @@ from pagedllm.logging_utils import init_logger
 
 logger = init_logger(__name__)
 
-SOURCES = ("paged_attention.cpp",)
+# Sources and their own flags; elementwise.cpp rounds where torch's unfused ops round (no
+# multiply-add contraction).
+SOURCES: dict[str, tuple[str, ...]] = {
+    "paged_attention.cpp": (),
+    "elementwise.cpp": ("-ffp-contract=off",),
+}
 _CSRC = Path(__file__).parent / "csrc"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC",
-         "-fno-math-errno", "-fno-trapping-math", "-w")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-fPIC", "-fno-math-errno",
+         "-fno-trapping-math", "-w")
 
 _state: dict[str, object] = {}  # "loaded": bool, "error": str | None, "path": Path
 
@@ -59,16 +64,21 @@ def _cpu_id() -> str:
     return platform.machine() + "|" + " ".join(sorted(set(text.split())))
 
 
-def _command(out: Path) -> list[str]:
+def _commands(out: Path) -> tuple[list[list[str]], list[str]]:
+    """One compile command per source (objects next to ``out``), then the link command."""
     from torch.utils import cpp_extension
 
+    cxx = cpp_extension.get_cxx_compiler()
     abi = int(torch.compiled_with_cxx11_abi())
-    cmd = [cpp_extension.get_cxx_compiler(), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd += [str(_CSRC / s) for s in SOURCES]
-    cmd += [f"-L{p}" for p in cpp_extension.library_paths()]
-    cmd += ["-lc10", "-ltorch_cpu", "-o", str(out)]
-    return cmd
+    common = [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    common += [f"-I{p}" for p in cpp_extension.include_paths()]
+    objs = [out.with_suffix(f".{i}.o") for i in range(len(SOURCES))]
+    compiles = [[*common, *extra, "-c", str(_CSRC / src), "-o", str(obj)]
+                for (src, extra), obj in zip(SOURCES.items(), objs)]
+    link = [cxx, "-shared", "-fopenmp", *map(str, objs)]
+    link += [f"-L{p}" for p in cpp_extension.library_paths()]
+    link += ["-lc10", "-ltorch_cpu", "-o", str(out)]
+    return compiles, link
 
 
 def _key() -> str:
@@ -77,9 +87,16 @@ def _key() -> str:
         h.update(name.encode() + b"\0" + (_CSRC / name).read_bytes())
     from torch.utils import cpp_extension
 
-    h.update(" ".join([*FLAGS, cpp_extension.get_cxx_compiler(), torch.__version__,
+    h.update(" ".join([*FLAGS, repr(SOURCES), cpp_extension.get_cxx_compiler(), torch.__version__,
                        _cpu_id()]).encode())
     return h.hexdigest()[:16]
+
+
+def _finish(cmd: list[str], proc: subprocess.Popen[str]) -> None:
+    output, _ = proc.communicate()
+    if proc.returncode != 0:
+        tail = "\n".join(output.strip().splitlines()[-15:])
+        raise RuntimeError(f"{shlex.join(cmd)} failed:\n{tail}")
 
 
 def _build(lib: Path) -> None:
@@ -89,20 +106,26 @@ def _build(lib: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; the others wait, then load
         if lib.exists():
             return
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+        fd, name = tempfile.mkstemp(suffix=".so", dir=lib.parent)
         os.close(fd)
-        cmd = _command(Path(tmp))
+        tmp = Path(name)
+        compiles, link = _commands(tmp)
         logger.info("compiling pagedllm CPU kernels (once per machine) into %s", lib.parent)
+
+        def start(cmd: list[str]) -> subprocess.Popen[str]:
+            return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True)
+
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True)
+            for cmd, proc in [(c, start(c)) for c in compiles]:  # the sources in parallel
+                _finish(cmd, proc)
+            _finish(link, start(link))
+            os.replace(tmp, lib)
         except OSError as e:  # the compiler itself is missing
-            os.unlink(tmp)
-            raise RuntimeError(f"{cmd[0]}: {e}") from e
-        if r.returncode != 0:
-            os.unlink(tmp)
-            tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-15:])
-            raise RuntimeError(f"{shlex.join(cmd)} failed:\n{tail}")
-        os.replace(tmp, lib)
+            raise RuntimeError(f"{compiles[0][0]}: {e}") from e
+        finally:
+            for f in tmp.parent.glob(tmp.stem + ".*"):  # objects, and the library if not moved
+                f.unlink()
 
 
 def available() -> bool:
@@ -127,6 +150,14 @@ def available() -> bool:
         return False
     _state["loaded"], _state["path"] = True, lib
     return True
+
+
+def fused(*tensors: torch.Tensor) -> bool:
+    """Whether the fused CPU ops may take these tensors: the kernels are built, every tensor is
+    on CPU with a contiguous last dim, and autograd is off (the ops have no backward)."""
+    return (not torch.is_grad_enabled()
+            and all(t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
+            and available())
 
 
 def unavailable_reason() -> str | None:

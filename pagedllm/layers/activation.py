@@ -6,10 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import kernels
+
 
 class SiluAndMul(nn.Module):
-    """[..., 2 * I] (gate | up) -> silu(gate) * up, [..., I]."""
+    """[..., 2 * I] (gate | up) -> silu(gate) * up, [..., I]; on CPU one C++ op
+    (``torch.ops.pagedllm.silu_and_mul``) when the kernels are built."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and kernels.fused(x):
+            return torch.ops.pagedllm.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

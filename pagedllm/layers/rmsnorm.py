@@ -1,9 +1,18 @@
-"""RMSNorm, computed in fp32 like HF's LlamaRMSNorm."""
+"""RMSNorm, computed in fp32 like HF's LlamaRMSNorm; with the residual add fused in front of it
+(``add_norm``) the way a decoder layer uses it.
+
+On CPU both run as one C++ op each (``torch.ops.pagedllm.rms_norm`` / ``add_rms_norm_``,
+pagedllm/kernels/csrc/elementwise.cpp) when the kernels are built; elsewhere, or without them,
+as the torch ops below. Same rounding points either way: the residual sum and the normalised
+row are rounded to the input dtype, then multiplied by the weight.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pagedllm import kernels
 
 
 class RMSNorm(nn.Module):
@@ -13,6 +22,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        if x.dim() == 2 and x.dtype == self.weight.dtype and kernels.fused(x, self.weight):
+            return torch.ops.pagedllm.rms_norm(x, self.weight, self.eps)
+        return self._norm(x)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); may overwrite x and residual with them."""
+        if (x.dim() == 2 and x.dtype == residual.dtype == self.weight.dtype
+                and kernels.fused(x, residual, self.weight)):
+            torch.ops.pagedllm.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

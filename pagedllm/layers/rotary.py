@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm import kernels
+
 
 def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     """[D/2] fp32, computed the way HF does so that tables match bit for bit."""
@@ -97,6 +99,17 @@ class RotaryEmbedding(nn.Module):
         """positions [T] -> (cos, sin), each [T, 1, D/2] fp32, broadcasting over heads."""
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
+
+
+def apply_rotary_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] and k [T, Hk, D] rotated (``apply_rotary``); on CPU with the kernels built,
+    in place by one C++ op (``torch.ops.pagedllm.rotary_``, the same arithmetic bit for bit)."""
+    if kernels.fused(q, k, cos, sin):
+        torch.ops.pagedllm.rotary_(q, k, cos, sin)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

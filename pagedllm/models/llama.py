@@ -18,7 +18,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.group import TPGroup, rows, shard_heads
 from pagedllm.layers import MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
 from pagedllm.layers.linear import Linear, row_parallel_linear
-from pagedllm.layers.rotary import apply_rotary
+from pagedllm.layers.rotary import apply_rotary_qk
 from pagedllm.models.base import CausalLM, KVCache
 
 
@@ -52,8 +52,8 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        q, k = apply_rotary_qk(q.view(t, self.num_heads, self.head_dim),  # [T, Hq, D]
+                               k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window
@@ -85,14 +85,23 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor,  # [T, hidden]: the previous layer's output (the embeddings at layer 0)
+        residual: torch.Tensor | None,  # the running sum it is added to (None at layer 0)
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this layer's MLP output, the running sum before it). Each residual add is fused
+        into the norm that follows it: ``residual + x`` then ``norm``, the same arithmetic as
+        ``x = x + attn(norm(x)); x = x + mlp(norm(x))``."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_norm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -116,9 +125,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(positions)  # [T, 1, D/2] each, shared by all layers
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return self.norm.add_norm(x, residual)[0] if residual is not None else self.norm(x)
 
 
 class LlamaForCausalLM(CausalLM):

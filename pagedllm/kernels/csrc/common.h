@@ -9,9 +9,11 @@
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -168,5 +170,71 @@ inline float exp_approx(float x) {
   std::memcpy(&p, &bits, 4);
   return y * p;
 }
+
+#if defined(__AVX512F__)
+// exp_approx on 16 lanes, the same operations in the same order (so the same bits). Written
+// with intrinsics because GCC turns the scalar clamp into range splits with duplicated work.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.37626f));
+  __m512 n = _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                           _mm512_set1_ps(0.5f));
+  n = _mm512_roundscale_ps(n, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                           _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                  5.0000001201e-1f})
+    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(c));
+  y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(y, r), r), r), _mm512_set1_ps(1.0f));
+  __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+// 16 elements of T <-> fp32 lanes (bf16 / fp16 rounded to nearest even, like c10's casts for
+// finite values).
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+template <>
+inline __m512 load16<c10::Half>(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename T>
+inline void store16(T* p, __m512 x);
+template <>
+inline void store16<float>(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+template <>
+inline void store16<c10::BFloat16>(c10::BFloat16* p, __m512 x) {
+  __m512i u = _mm512_castps_si512(x);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(u));
+}
+template <>
+inline void store16<c10::Half>(c10::Half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// x rounded to T and back (the rounding an unfused torch op applies between two steps).
+template <typename T>
+inline __m512 round16(__m512 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    alignas(64) T tmp[16];
+    store16<T>(tmp, x);
+    return load16<T>(tmp);
+  }
+}
+#endif
 
 }  // namespace pagedllm
