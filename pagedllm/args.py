@@ -72,6 +72,9 @@ class EngineArgs:
     linear_backend: str = setting(
         _E.linear_backend, "CPU: auto = linear layers on oneDNN with weights packed at load "
         "where it runs the dtype, torch = F.linear", choices=LINEAR_BACKENDS)
+    fused_ops: bool = setting(
+        _E.fused_ops, "CPU: RMSNorm (+ residual add), rotary and SiLU-and-mul as fused C++ ops "
+        "(when the kernels build); --no-fused-ops runs the torch ops")
     tensor_parallel_size: int = setting(
         _P.tensor_parallel_size, "shard the model over N ranks (worker processes; CPU/gloo)", "-tp")
     distributed_executor_backend: str = setting(
@@ -186,6 +189,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager,
             linear_backend=self.linear_backend,
+            fused_ops=self.fused_ops,
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
         )
 

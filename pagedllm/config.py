@@ -343,6 +343,9 @@ class EngineConfig:
     # CPU: "auto" runs linear layers on oneDNN with packed weights where it can (float32, and
     # bfloat16 on CPUs with it; layers/linear.py), "torch" always on F.linear.
     linear_backend: str = "auto"
+    # CPU: RMSNorm (+ residual add), rotary and SiLU-and-mul as fused C++ ops where the kernels
+    # are built (pagedllm/kernels); False runs the torch ops.
+    fused_ops: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 

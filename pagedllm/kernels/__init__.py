@@ -160,6 +160,15 @@ def fused(*tensors: torch.Tensor) -> bool:
             and available())
 
 
+def set_fused_ops(model: torch.nn.Module, on: bool) -> int:
+    """Let (or stop) the modules of ``model`` that have a ``fused`` switch (RMSNorm, SiluAndMul,
+    the attention's rotary) run the fused ops; returns how many modules it set."""
+    mods = [m for m in model.modules() if isinstance(getattr(type(m), "fused", None), bool)]
+    for m in mods:
+        m.fused = on
+    return len(mods)
+
+
 def unavailable_reason() -> str | None:
     """Why ``available()`` is False (None before the first call or when loaded)."""
     return _state.get("error")  # type: ignore[return-value]

@@ -16,19 +16,22 @@ from pagedllm import kernels
 
 
 class RMSNorm(nn.Module):
+    fused = True  # may run the fused CPU ops (kernels.set_fused_ops turns it off per model)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        if x.dim() == 2 and x.dtype == self.weight.dtype and kernels.fused(x, self.weight):
+        if (self.fused and x.dim() == 2 and x.dtype == self.weight.dtype
+                and kernels.fused(x, self.weight)):
             return torch.ops.pagedllm.rms_norm(x, self.weight, self.eps)
         return self._norm(x)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); may overwrite x and residual with them."""
-        if (x.dim() == 2 and x.dtype == residual.dtype == self.weight.dtype
+        if (self.fused and x.dim() == 2 and x.dtype == residual.dtype == self.weight.dtype
                 and kernels.fused(x, residual, self.weight)):
             torch.ops.pagedllm.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual

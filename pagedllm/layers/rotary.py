@@ -102,11 +102,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary_qk(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D] and k [T, Hk, D] rotated (``apply_rotary``); on CPU with the kernels built,
-    in place by one C++ op (``torch.ops.pagedllm.rotary_``, the same arithmetic bit for bit)."""
-    if kernels.fused(q, k, cos, sin):
+    """q [T, Hq, D] and k [T, Hk, D] rotated (``apply_rotary``); on CPU with the kernels built
+    (and ``fused``), in place by one C++ op (``torch.ops.pagedllm.rotary_``, the same arithmetic
+    bit for bit)."""
+    if fused and kernels.fused(q, k, cos, sin):
         torch.ops.pagedllm.rotary_(q, k, cos, sin)
         return q, k
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -23,6 +23,8 @@ from pagedllm.models.base import CausalLM, KVCache
 
 
 class LlamaAttention(nn.Module):
+    fused = True  # rotary may run the fused CPU op (kernels.set_fused_ops)
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPGroup | None = None,
                  layer: int = 0) -> None:
         super().__init__()
@@ -53,7 +55,8 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q, k = apply_rotary_qk(q.view(t, self.num_heads, self.head_dim),  # [T, Hq, D]
-                               k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+                               k.view(t, self.num_kv_heads, self.head_dim),  # [T, Hkv, D]
+                               cos, sin, self.fused)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedllm import _openmp
+from pagedllm import _openmp, kernels
 from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import TPGroup, local_kv_model
@@ -92,6 +92,8 @@ class ModelRunner:
         if profiler is not None:
             profiler.start()
         self.model = load_model(config.model, self.backend, str(self.device), tp)
+        if not config.fused_ops:
+            kernels.set_fused_ops(self.model, False)
         if self.device.type == "cpu":
             if config.linear_backend == "auto":
                 n = pack_linears(self.model)

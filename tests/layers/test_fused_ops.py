@@ -100,3 +100,20 @@ def test_autograd_takes_the_torch_ops() -> None:
     assert y.grad_fn is not None
     y.sum().backward()
     assert x.grad is not None and norm.weight.grad is not None
+
+
+def test_engine_switch_runs_the_torch_ops(tiny_models: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fused_ops=False (--no-fused-ops) keeps every layer off the fused ops; same greedy tokens."""
+    from pagedllm import LLM, SamplingParams
+
+    calls: list[int] = []
+    real = kernels.fused
+    monkeypatch.setattr(kernels, "fused", lambda *t: calls.append(1) or real(*t))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for on in (False, True):
+        calls.clear()
+        llm = LLM(model=str(tiny_models["llama"]), fused_ops=on, num_kv_blocks=64)
+        tokens[on] = [o.outputs[0].token_ids for o in llm.generate(["a b c", "d e"], params)]
+        assert bool(calls) == on
+    assert tokens[False] == tokens[True]
