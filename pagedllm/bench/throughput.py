@@ -36,10 +36,17 @@ def run_throughput(
     vllm_python: str | None = None,
     vllm_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    built = [make_vllm_backend(engine_kwargs, vllm_python, vllm_kwargs) if b == "vllm"
-             else make_backend(b, engine_kwargs, hf_batch_size) for b in backends]
-    warm = (lambda b: b.run(reqs[:warmup])) if warmup else None
-    runs = dict(zip(backends, interleaved(built, lambda b: b.run(reqs), reps, warm)))
+    built: list[Any] = []
+    try:
+        for b in backends:
+            built.append(make_vllm_backend(engine_kwargs, vllm_python, vllm_kwargs) if b == "vllm"
+                         else make_backend(b, engine_kwargs, hf_batch_size))
+        warm = (lambda b: b.run(reqs[:warmup])) if warmup else None
+        runs = dict(zip(backends, interleaved(built, lambda b: b.run(reqs), reps, warm)))
+    finally:  # a subprocess backend (vllm) goes, with its children, even on an interrupt
+        for b in built:
+            if hasattr(b, "close"):
+                b.close()
 
     results = []
     for name in backends:

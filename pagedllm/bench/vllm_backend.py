@@ -14,12 +14,19 @@ torch uses (``--threads``, else torch's default), ``VLLM_CPU_KVCACHE_SPACE`` to
 refuses to start on a machine other processes use). The OpenMP wait policy pagedllm picks for
 itself (pagedllm/_openmp.py) is not passed on: vLLM sees the user's environment. vLLM's log goes
 to a file named in the result.
+
+The worker runs in a session of its own, and vLLM's engine processes (its children) in its
+process group: ``close()`` (run_throughput calls it; garbage collection and interpreter exit
+too) kills the whole group after the worker exits, at once when a call was in flight (an
+interrupt); a benchmark killed outright takes the group down from the worker's side
+(vllm_worker.py). A leftover ``VLLM::EngineCore`` holds gigabytes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -88,18 +95,23 @@ class VllmBackend:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(4 if kv is None else -(-kv // 2**30)))
         self.log = Path(tempfile.mkstemp(prefix="pagedllm-vllm-", suffix=".log")[1])
         self._log_file = self.log.open("w")
-        try:
+        try:  # a session of its own: its group (vLLM's engine processes too) is killed as one
             self.proc = subprocess.Popen(
                 [python, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=self._log_file, env=env, text=True,
+                stderr=self._log_file, env=env, text=True, start_new_session=True,
             )
         except OSError as e:
             self._log_file.close()
             raise ValueError(f"--vllm-python {python}: cannot run it ({e.strerror}); name the "
                              f"python of a venv with vllm installed") from e
-        weakref.finalize(self, _stop, self.proc, self._log_file)
-        self.info: dict[str, Any] = self._call({"cmd": "init", "model": cfg.model.model,
-                                                "llm_kwargs": kwargs})["info"]
+        self._busy = [False]  # a call in flight: the worker would not read "exit" until done
+        self.close = weakref.finalize(self, _stop, self.proc, self._log_file, self._busy)
+        try:
+            self.info: dict[str, Any] = self._call({"cmd": "init", "model": cfg.model.model,
+                                                    "llm_kwargs": kwargs})["info"]
+        except BaseException:
+            self.close()
+            raise
 
     def run(self, reqs: list[BenchRequest]) -> RunResult:
         res = self._call({"cmd": "run",
@@ -111,12 +123,14 @@ class VllmBackend:
 
     def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
+        self._busy[0] = True
         try:
             self.proc.stdin.write(json.dumps(msg) + "\n")
             self.proc.stdin.flush()
             line = self.proc.stdout.readline()
         except BrokenPipeError:
             line = ""
+        self._busy[0] = False  # not reached on an interrupt: the stop then kills at once
         if not line:
             raise RuntimeError(f"the vLLM process (--vllm-python) exited during {msg['cmd']!r}; "
                                f"its log {self.log} ends with:\n{_tail(self.log)}")
@@ -131,14 +145,20 @@ def _tail(path: Path, lines: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _stop(proc: subprocess.Popen[str], log_file: IO[str]) -> None:
-    if proc.poll() is None:
+def _stop(proc: subprocess.Popen[str], log_file: IO[str], busy: list[bool]) -> None:
+    """Ask an idle worker to exit, kill a busy or stuck one; then kill what is left of its
+    process group (vLLM's engine core outlives a worker that exits without its teardown)."""
+    if proc.poll() is None and not busy[0]:
         try:
             assert proc.stdin is not None
             proc.stdin.write('{"cmd": "exit"}\n')
             proc.stdin.close()
-            proc.wait(timeout=60)
-        except (OSError, subprocess.TimeoutExpired):
-            proc.kill()
-            proc.wait()
+            proc.wait(timeout=30)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group lives on while any member does
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
     log_file.close()

@@ -74,10 +74,18 @@ def _run(llm: Any, requests: list[list[Any]]) -> dict[str, Any]:
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGTERM this process when the benchmark dies, so no vLLM is left computing."""
+    """Linux: SIGTERM this process when the benchmark dies, and on SIGTERM kill the whole process
+    group (this worker leads it; vLLM's engine processes are in it), so no vLLM is left
+    computing or holding memory."""
+    import signal
+
+    def kill_group(signum: int, frame: Any) -> None:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    if os.getpgrp() == os.getpid():  # started as a group leader (the backend does that)
+        signal.signal(signal.SIGTERM, kill_group)
     try:
         import ctypes
-        import signal
 
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):

@@ -6,10 +6,14 @@ by ``$PAGEDLLM_VLLM_PYTHON`` (README "Performance" says how to make one)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -36,9 +40,17 @@ class LLM:
             raise ValueError("stand-in cannot load " + model)
         self.kw = kw
         print("stand-in vllm log line")  # must not reach the protocol stream
+        if os.environ.get("STAND_IN_PIDS"):  # an engine-core-like child, as vLLM starts
+            import subprocess, sys
+            self.core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            with open(os.environ["STAND_IN_PIDS"], "w") as f:
+                f.write(f"{os.getpid()} {self.core.pid}")
     def reset_prefix_cache(self):
         pass
     def generate(self, prompts, params, use_tqdm=True):
+        if os.environ.get("STAND_IN_BLOCK"):  # a long run, to be interrupted
+            open(os.environ["STAND_IN_BLOCK"], "w").close()
+            import time; time.sleep(600)
         assert all(p.kw == {"temperature": 0.0, "max_tokens": p.kw["max_tokens"],
                             "ignore_eos": True} for p in params)
         return [_Res([sum(p["prompt_token_ids"]) % 97 + i for i in range(s.kw["max_tokens"])])
@@ -100,6 +112,81 @@ def test_errors_name_the_flag_and_show_vllms_message(stand_in: str, tmp_path: Pa
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(ValueError, match="--vllm-python"):
         make_vllm_backend(_kwargs(tiny_models["llama"]), None)
+
+
+def _gone(pid: int, within_s: float = 20.0) -> bool:
+    """The process exited (no /proc entry, or a zombie no one reaped) within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _wait_for(path: Path, proc: subprocess.Popen | None = None, within_s: float = 60.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        assert proc is None or proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+
+
+def test_close_kills_the_engine_processes(stand_in: str, tmp_path: Path,
+                                         tiny_models: dict[str, Path],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that exits cleanly skips vLLM's teardown; its engine child must not outlive it."""
+    pids = tmp_path / "pids"
+    monkeypatch.setenv("STAND_IN_PIDS", str(pids))
+    kw = _kwargs(tiny_models["llama"])
+    spec, reqs, _ = build_workload(kw, dict(num_prompts=3, prompt_median=8, output_median=6))
+    res = run_throughput(reqs, spec, kw, ["vllm"], reps=1, warmup=0, vllm_python=stand_in)
+    assert res["results"][0]["output_tokens"] == sum(r.max_tokens for r in reqs)
+    worker, core = map(int, pids.read_text().split())
+    assert _gone(worker) and _gone(core)
+
+
+BENCH = """
+import sys
+from pagedllm.bench.throughput import run_throughput
+from pagedllm.bench.workload import build_workload
+kw = dict(model=sys.argv[1], max_model_len=64, block_size=4)
+spec, reqs, _ = build_workload(kw, dict(num_prompts=3, prompt_median=8, output_median=6))
+run_throughput(reqs, spec, kw, ["vllm"], reps=1, warmup=0, vllm_python=sys.executable)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_interrupted_or_killed_benchmark_leaves_no_vllm_process(
+        sig: signal.Signals, stand_in: str, tmp_path: Path, tiny_models: dict[str, Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (SIGINT: the backend's close kills the busy worker's group) or a killed benchmark
+    (SIGKILL: the worker's parent-death signal, then it kills its own group) mid-run: neither
+    the worker nor its engine child is left."""
+    pids, started = tmp_path / "pids", tmp_path / "started"
+    monkeypatch.setenv("STAND_IN_PIDS", str(pids))
+    monkeypatch.setenv("STAND_IN_BLOCK", str(started))
+    bench = subprocess.Popen([sys.executable, "-c", BENCH, str(tiny_models["llama"])],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(started, bench)
+        worker, core = map(int, pids.read_text().split())
+        bench.send_signal(sig)
+        _, err = bench.communicate(timeout=60)
+        assert bench.returncode != 0
+        if sig == signal.SIGINT:
+            assert "KeyboardInterrupt" in err
+        assert _gone(worker), f"worker {worker} still runs"
+        assert _gone(core), f"engine child {core} still runs"
+    finally:  # nothing of this test outlives it, whatever it asserted
+        bench.kill()
+        bench.wait()
+        for pid in map(int, pids.read_text().split() if pids.exists() else []):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_cpu_bind_lists_the_first_cpus_as_ranges() -> None:
