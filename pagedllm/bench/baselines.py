@@ -63,7 +63,7 @@ class EngineBackend:
         ids = [f"b{i}" for i in range(len(reqs))]
         outputs: dict[str, list[int]] = {}
         synchronize(self.device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for rid, r in zip(ids, reqs):
             params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
             eng.add_request(rid, {"prompt_token_ids": r.prompt_token_ids}, params)
@@ -74,13 +74,14 @@ class EngineBackend:
             trace.add(eng.stats)
             self.step_prepare_s.append(eng.stats.prepare_time_s)
         synchronize(self.device)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         outs = [outputs[i] for i in ids]
         n_out = sum(len(o) for o in outs)
         stats = trace.summary()
         stats["prefix_cache_hit_rate"] = eng.kv.stats.hit_rate
         stats["num_preemptions"] = eng.num_preemptions - preempted_before
         stats["num_steps"] = len(trace.t)  # this run's step records (`pagedllm plan` replays these)
+        stats["cpu_s"] = cpu  # all of this process's threads (on a shared machine, steadier)
         return RunResult(self.name, elapsed, len(reqs), sum(r.prompt_len for r in reqs), n_out,
                          n_out, outs, stats)
 

@@ -65,13 +65,18 @@ def run_throughput(
             "generated_tokens": best.generated_tokens,
             **best.stats,
         }
+        if all(r.stats.get("cpu_s", 0) > 0 for r in rs):  # CPU time of the backend's processes
+            row["cpu_s"] = min(r.stats["cpu_s"] for r in rs)
+            row["cpu_s_all"] = [r.stats["cpu_s"] for r in rs]
+            row["output_tokens_per_cpu_s"] = best.output_tokens / row["cpu_s"]
         results.append(row)
 
     ref = "pagedllm" if "pagedllm" in backends else backends[0]
     by = {r["backend"]: r for r in results}
     ratios = {
         f"{ref}/{name}": {k: by[ref][k] / by[name][k] for k in
-                          ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
+                          ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
+                           "output_tokens_per_cpu_s") if k in by[ref] and k in by[name]}
         for name in backends if name != ref
     }
     first = {name: runs[name][0].outputs for name in backends}
@@ -108,8 +113,11 @@ def report_throughput(res: dict[str, Any], output_dir: Path, output_json: Path |
                        ["backend", "req/s", "out tok/s", "total tok/s", "time s", "peak run",
                         "preempt", "steps", "KV util"]))
     for pair, r in res["ratios"].items():
+        cpu = (f", output tok per CPU s x{r['output_tokens_per_cpu_s']:.2f}"
+               if "output_tokens_per_cpu_s" in r else "")
         print(f"{pair}: output tok/s x{r['output_tokens_per_s']:.2f}, "
-              f"requests/s x{r['requests_per_s']:.2f}, total tok/s x{r['total_tokens_per_s']:.2f}")
+              f"requests/s x{r['requests_per_s']:.2f}, total tok/s x{r['total_tokens_per_s']:.2f}"
+              f"{cpu}")
     for pair, m in res["greedy_output_agreement"].items():
         print(f"greedy outputs identical {pair}: {m:.0%}")
     paths = [write_json(output_json or output_dir / "throughput.json", res)]

@@ -119,7 +119,8 @@ class VllmBackend:
         outs: list[list[int]] = res["outputs"]
         n = sum(len(o) for o in outs)
         return RunResult(self.name, res["elapsed_s"], len(reqs), sum(r.prompt_len for r in reqs),
-                         n, n, outs, {**self.info, "log": str(self.log)})
+                         n, n, outs, {**self.info, "log": str(self.log),
+                                      **({"cpu_s": res["cpu_s"]} if "cpu_s" in res else {})})
 
     def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None

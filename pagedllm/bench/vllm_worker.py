@@ -67,10 +67,41 @@ def _run(llm: Any, requests: list[list[Any]]) -> dict[str, Any]:
     prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
     llm.reset_prefix_cache()  # a repetition must not hit the previous one's blocks
+    c0 = _tree_cpu_s()
     t0 = time.perf_counter()
     res = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    return {"elapsed_s": elapsed, "outputs": [list(r.outputs[0].token_ids) for r in res]}
+    c1 = _tree_cpu_s()
+    reply: dict[str, Any] = {"elapsed_s": elapsed,
+                             "outputs": [list(r.outputs[0].token_ids) for r in res]}
+    if c0 is not None and c1 is not None:
+        reply["cpu_s"] = c1 - c0
+    return reply
+
+
+def _tree_cpu_s() -> float | None:
+    """CPU seconds (user + system, all threads) of this process and its live descendants (vLLM's
+    engine core runs in a child), read from /proc; None where there is no /proc."""
+    try:
+        stats: dict[int, tuple[int, int]] = {}  # pid -> (parent, clock ticks)
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # exited meanwhile
+                continue
+            stats[int(name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+        tree, grew = {os.getpid()}, True
+        while grew:
+            new = {p for p, (parent, _) in stats.items() if parent in tree} - tree
+            tree |= new
+            grew = bool(new)
+        ticks = sum(stats[p][1] for p in tree if p in stats)
+        return ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _die_with_parent() -> None:

@@ -175,6 +175,10 @@ def test_bench_throughput_cli(model: Path, tmp_path: Path) -> None:
             assert r[k] > 0
         assert r["output_tokens"] == res["workload"]["output_tokens"]
     assert set(res["ratios"]) == {"pagedllm/hf", "pagedllm/contiguous"}
+    by = {r["backend"]: r for r in res["results"]}
+    for name in ("pagedllm", "contiguous"):  # CPU time of the engine's process, all threads
+        assert by[name]["cpu_s"] > 0 and by[name]["output_tokens_per_cpu_s"] > 0
+    assert res["ratios"]["pagedllm/contiguous"]["output_tokens_per_cpu_s"] > 0
     assert res["greedy_output_agreement"]["pagedllm/contiguous"] == 1.0
     assert main(["bench", "throughput", "--backends", "nope", "--model", str(model)]) == 2
 

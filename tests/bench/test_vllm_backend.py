@@ -209,4 +209,5 @@ def test_real_vllm_matches_pagedllm_greedy(tiny_models: dict[str, Path], tmp_pat
     res = json.loads(out.read_text())
     row = {r["backend"]: r for r in res["results"]}["vllm"]
     assert row["vllm_version"] and row["output_tokens"] == res["workload"]["output_tokens"]
+    assert row["cpu_s"] > 0  # the worker and vLLM's engine core, read from /proc
     assert res["greedy_output_agreement"]["pagedllm/vllm"] == 1.0
