@@ -144,15 +144,59 @@ class HFBackend:
                           "dtype": self.dtype})
 
 
+def split_backends(text: str) -> list[str]:
+    """``--backends`` -> names; a comma inside ``[...]`` belongs to a variant's settings."""
+    names, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            names.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [n for n in [*names, cur.strip()] if n]
+
+
+def parse_backend(spec: str) -> tuple[str, dict[str, Any]]:
+    """``pagedllm[max_num_seqs=128,fused_ops=false]`` -> ("pagedllm", {"max_num_seqs": 128,
+    "fused_ops": False}): an engine backend with some engine settings changed (values read as
+    JSON, else as strings), so that settings are compared interleaved in one run."""
+    import json
+
+    base, sep, rest = spec.partition("[")
+    if not sep:
+        return spec, {}
+    if not rest.endswith("]") or base not in ("pagedllm", "contiguous"):
+        raise ValueError(f"--backends {spec!r}: a variant is pagedllm[name=value,...] or "
+                         f"contiguous[name=value,...] (engine setting names, as the flags)")
+    over: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in rest[:-1].split(","))):
+        key, eq, val = item.partition("=")
+        if not eq:
+            raise ValueError(f"--backends {spec!r}: {item!r} is not name=value")
+        try:
+            over[key.strip().replace("-", "_")] = json.loads(val)
+        except json.JSONDecodeError:
+            over[key.strip().replace("-", "_")] = val.strip()
+    from pagedllm.args import EngineArgs
+
+    try:
+        EngineArgs.from_kwargs(over, f"--backends {spec!r}")
+    except TypeError as e:  # an unknown setting name, with the closest one
+        raise ValueError(str(e)) from e
+    return base, over
+
+
 def make_backend(name: str, engine_kwargs: dict[str, Any], hf_batch_size: int) -> Any:
-    """Every backend but vllm (``vllm_backend.make_vllm_backend``)."""
+    """Every backend but vllm (``vllm_backend.make_vllm_backend``); ``name`` may be a variant
+    (``parse_backend``), whose results carry its full name."""
     from pagedllm.config import default_model_path
 
+    base, over = parse_backend(name)
+    if base in ("pagedllm", "contiguous"):
+        return EngineBackend(name, {**engine_kwargs, **over},
+                             "paged" if base == "pagedllm" else "contiguous")
     model = engine_kwargs.get("model") or default_model_path()
-    if name == "pagedllm":
-        return EngineBackend(name, engine_kwargs, "paged")
-    if name == "contiguous":
-        return EngineBackend(name, engine_kwargs, "contiguous")
     if name == "hf":
         return HFBackend(model, hf_batch_size, engine_kwargs.get("dtype") or "auto",
                          engine_kwargs.get("device") or "cpu")

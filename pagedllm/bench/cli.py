@@ -87,7 +87,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--backends", default=None,
                    help="comma-separated: pagedllm, hf, contiguous, vllm (default: the first "
                    "three, plus vllm when a vLLM Python is known: --vllm-python, "
-                   "$PAGEDLLM_VLLM_PYTHON, or this one if it imports vllm)")
+                   "$PAGEDLLM_VLLM_PYTHON, or this one if it imports vllm); a variant "
+                   "'pagedllm[max_num_seqs=128,fused_ops=false]' runs the engine with those "
+                   "settings changed, interleaved with the others")
     p.add_argument("--vllm-python", default=None,
                    help="the Python of a venv with vllm installed (its own torch); the vllm "
                    "backend runs there in a subprocess (default: $PAGEDLLM_VLLM_PYTHON)")
@@ -102,7 +104,7 @@ def register(subparsers: Any) -> None:
     EngineArgs.add_cli_args(p)
 
     def cmd_throughput(a: argparse.Namespace) -> int:
-        from pagedllm.bench.baselines import BACKENDS
+        from pagedllm.bench.baselines import BACKENDS, parse_backend, split_backends
         from pagedllm.bench.throughput import report_throughput, run_throughput
         from pagedllm.bench.vllm_backend import find_vllm_python
         from pagedllm.bench.workload import build_workload
@@ -110,8 +112,8 @@ def register(subparsers: Any) -> None:
         _setup(a)
         if a.backends is None:
             a.backends = "pagedllm,hf,contiguous" + (",vllm" if find_vllm_python(a.vllm_python) else "")
-        names = [b.strip() for b in a.backends.split(",") if b.strip()]
-        bad = [b for b in names if b not in BACKENDS]
+        names = split_backends(a.backends)
+        bad = [b for b in names if parse_backend(b)[0] not in BACKENDS]
         if bad or not names or len(set(names)) != len(names):
             raise ValueError(f"--backends {a.backends!r}: choose distinct names from {', '.join(BACKENDS)}")
         kw = engine_kwargs(a)

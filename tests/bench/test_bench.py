@@ -183,6 +183,21 @@ def test_bench_throughput_cli(model: Path, tmp_path: Path) -> None:
     assert main(["bench", "throughput", "--backends", "nope", "--model", str(model)]) == 2
 
 
+def test_bench_throughput_variants(model: Path, tmp_path: Path) -> None:
+    """pagedllm[name=value,...] runs the engine with those settings, interleaved, as its own row."""
+    out = tmp_path / "tp.json"
+    variant = "pagedllm[max_num_seqs=2,fused_ops=false,enable-prefix-caching=false]"
+    res = _run(["bench", "throughput", "--model", str(model), "--backends", f"pagedllm,{variant}",
+                "--reps", "1", "--warmup", "1", "--output-dir", str(tmp_path),
+                "--output-json", str(out), *SMALL], out)
+    rows = {r["backend"]: r for r in res["results"]}
+    assert list(rows) == ["pagedllm", variant]
+    assert rows[variant]["peak_running"] <= 2 < rows["pagedllm"]["peak_running"]
+    assert res["greedy_output_agreement"][f"pagedllm/{variant}"] == 1.0
+    for bad in ("pagedllm[max_num_sqs=2]", "hf[max_num_seqs=2]", "pagedllm[max_num_seqs]"):
+        assert main(["bench", "throughput", "--backends", bad, "--model", str(model)]) == 2
+
+
 def test_bench_memory_cli(model: Path, tmp_path: Path) -> None:
     for mode in ("real", "replay"):
         out = tmp_path / f"mem-{mode}.json"
