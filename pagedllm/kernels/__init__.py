@@ -165,7 +165,7 @@ def set_fused_ops(model: torch.nn.Module, on: bool) -> int:
     the attention's rotary) run the fused ops; returns how many modules it set."""
     mods = [m for m in model.modules() if isinstance(getattr(type(m), "fused", None), bool)]
     for m in mods:
-        m.fused = on
+        m.fused = on  # type: ignore[assignment]  # a class attribute, not a submodule
     return len(mods)
 
 
