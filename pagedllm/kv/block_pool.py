@@ -44,12 +44,13 @@ def hash_hex(value: int) -> str:
 class KVBlock:
     """One block of ``block_size`` KV slots; ``prev_free``/``next_free`` link the free queue."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "num_hits", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        self.num_hits = 0  # prefix hits on the cached content this block holds (0 if unhashed)
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -220,8 +221,14 @@ class BlockPool:
         if block.block_hash is not None or block_hash.value in self.cached:
             return False
         block.block_hash = block_hash
+        block.num_hits = 0
         self.cached[block_hash.value] = block
         return True
+
+    def record_hits(self, blocks: Iterable[KVBlock]) -> None:
+        """Count one prefix hit on each of these cached blocks (the inspector's hit counts)."""
+        for block in blocks:
+            block.num_hits += 1
 
     def _evict(self, block: KVBlock) -> None:
         """Drop the cached hash of a free block."""
@@ -230,6 +237,7 @@ class BlockPool:
                 self.on_evict(block)
             del self.cached[block.block_hash.value]
             block.block_hash = None
+            block.num_hits = 0
             self.num_cached_free_blocks -= 1
 
     def reset_prefix_cache(self) -> bool:
@@ -238,6 +246,7 @@ class BlockPool:
             return False
         for block in self.cached.values():
             block.block_hash = None
+            block.num_hits = 0
         self.cached.clear()
         self.num_cached_free_blocks = 0
         return True
@@ -290,6 +299,7 @@ class BlockPool:
             dst.ref_cnt, src.ref_cnt = src.ref_cnt, 0
             if src.block_hash is not None:
                 dst.block_hash, src.block_hash = src.block_hash, None
+                dst.num_hits, src.num_hits = src.num_hits, 0
                 self.cached[dst.block_hash.value] = dst
             self.free_queue.append(src)
             remap[src.block_id] = dst
@@ -322,6 +332,8 @@ class BlockPool:
                 assert b.block_id in in_queue, f"free block missing from the free queue: {b}"
             if b.block_hash is not None:
                 assert self.cached.get(b.block_hash.value) is b, f"hashed block not indexed: {b}"
+            else:
+                assert b.num_hits == 0, f"an unhashed block counts {b.num_hits} prefix hits: {b}"
             if expected_refs is not None:
                 want = expected_refs.get(b.block_id, 0)
                 assert b.ref_cnt == want, f"block {b.block_id}: ref_cnt {b.ref_cnt} != {want}"

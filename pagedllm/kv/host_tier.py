@@ -35,6 +35,10 @@ class HostTier:
     def holds(self, request_id: str) -> bool:
         return request_id in self._held
 
+    def blocks_of(self, request_id: str) -> list[int]:
+        """A copy of the swapped-out request's host block ids, in table order."""
+        return list(self._held[request_id])
+
     def num_blocks_of(self, request_id: str) -> int:
         """Host blocks the swapped-out request holds (the device blocks its swap-in needs)."""
         return len(self._held[request_id])

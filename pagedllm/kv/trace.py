@@ -223,9 +223,11 @@ def load(path: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-def replay(trace: str | Path | Iterable[dict[str, Any]]) -> KVCacheManager:
+def replay(trace: str | Path | Iterable[dict[str, Any]],
+           on_op: Callable[[KVCacheManager, int], None] | None = None) -> KVCacheManager:
     """Re-execute a trace on a fresh manager; returns it (in its final state). Raises
-    ``TraceMismatch`` at the first event that the replay does not reproduce exactly."""
+    ``TraceMismatch`` at the first event that the replay does not reproduce exactly.
+    ``on_op(kv, i)`` runs after each op, event ``i`` of the trace (0 = the init line), checked."""
     events = load(trace) if isinstance(trace, (str, Path)) else list(trace)
     if not events or events[0].get("op") != "init":
         raise TraceMismatch("line 1: a trace starts with an 'init' event")
@@ -259,6 +261,8 @@ def replay(trace: str | Path | Iterable[dict[str, Any]]) -> KVCacheManager:
             raise TraceMismatch(f"line {n}: integrity check failed after {op}: {e}") from e
         mine.events.clear()
         pending = []
+        if on_op is not None:
+            on_op(kv, n - 1)
     if pending:
         raise TraceMismatch(f"trace ends with effects of no op: {pending}")
     return kv
@@ -300,22 +304,33 @@ def _execute(kv: KVCacheManager, ev: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pagedllm.kv.trace FILE``: replay a trace; exit status 1 on a mismatch."""
+    """``python -m pagedllm.kv.trace FILE [--html OUT]``: replay a trace (exit status 1 on a
+    mismatch); ``--html`` also writes the inspector page with a scrubbable timeline of it."""
+    import argparse
     import sys
     from collections import Counter
 
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m pagedllm.kv.trace TRACE.jsonl", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(prog="python -m pagedllm.kv.trace",
+                                     description="Replay a KV allocation trace exactly.")
+    parser.add_argument("trace", metavar="TRACE.jsonl")
+    parser.add_argument("--html", metavar="OUT.html", default=None,
+                        help="write the KV inspector page with a timeline of the replay")
+    args = parser.parse_args(argv)
     try:
-        kv = replay(args[0])
+        if args.html is not None:
+            from pagedllm.kv.timeline import write_html
+
+            kv = write_html(args.trace, args.html)
+        else:
+            kv = replay(args.trace)
     except TraceMismatch as e:
         print(f"MISMATCH: {e}", file=sys.stderr)
         return 1
-    ops = Counter(e["op"] for e in load(args[0]))
+    ops = Counter(e["op"] for e in load(args.trace))
     print(f"replayed {sum(ops.values())} events exactly ({dict(ops)}); final pool: "
           f"{kv.num_blocks} blocks, {kv.num_free_blocks} free, {kv.pool.num_cached_blocks} cached")
+    if args.html is not None:
+        print(f"wrote {args.html}")
     return 0
 
 

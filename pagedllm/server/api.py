@@ -28,6 +28,8 @@ from starlette.requests import ClientDisconnect
 from pagedllm import __version__
 from pagedllm.engine import LLMEngine
 from pagedllm.logging_utils import init_logger
+from pagedllm.server.inspector import KVInspector
+from pagedllm.server.inspector import add_routes as add_inspector_routes
 from pagedllm.server.prompts import Budget, _chat_prompt, _completion_prompts
 from pagedllm.server.protocol import (
     ChatChoice,
@@ -66,20 +68,28 @@ logger = init_logger(__name__)
 
 def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str | None = None,
               limits: ServerLimits | None = None, batch_wait_ms: float = 0.0,
-              disable_docs: bool = False) -> FastAPI:
+              disable_docs: bool = False, kv_inspector: bool = False,
+              kv_inspector_show_text: bool = False) -> FastAPI:
     """The app for one engine. The engine thread starts and stops with the app's lifespan.
     ``model_name``: the served name (default: the model path as given; ``default_model`` for the
     shipped model). The docs pages (/docs, /redoc, /openapi.json) need the API key when there is
-    one, and are not served at all with ``disable_docs``; /health and /metrics stay open."""
+    one, and are not served at all with ``disable_docs``; /health and /metrics stay open.
+    ``kv_inspector``: the live KV page at /kv (``pagedllm.server.inspector``; its data behind the
+    key)."""
     srv = _Server(engine, model_name or served_model_name(engine.config.model.model), api_key,
                   limits or ServerLimits(), batch_wait_ms)
+    inspector = KVInspector(srv.async_engine, kv_inspector_show_text) if kv_inspector else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         srv.async_engine.start()
+        if inspector is not None:
+            inspector.start()
         try:
             yield
         finally:
+            if inspector is not None:
+                await inspector.stop()
             await srv.async_engine.shutdown()
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, openapi_url=None,
@@ -88,6 +98,7 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
     app.state.engine = engine
     app.state.async_engine = srv.async_engine
     app.state.metrics = srv.metrics
+    app.state.kv_inspector = inspector
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -235,4 +246,6 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
         return Response(resp.model_dump_json(), media_type="application/json")
 
     app.include_router(v1)
+    if inspector is not None:
+        add_inspector_routes(app, inspector, srv.check_auth)
     return app

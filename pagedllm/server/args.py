@@ -38,6 +38,11 @@ class ServerArgs:
         "error event and [DONE])", group=S)
     disable_fastapi_docs: bool = setting(
         False, "do not serve /docs, /redoc, /openapi.json (with --api-key they need the key)", group=S)
+    kv_inspector: bool = setting(
+        False, "serve the live KV cache page at /kv (data at /kv/state and /kv/stream, behind "
+        "--api-key)", group=S)
+    kv_inspector_show_text: bool = setting(
+        False, "let the /kv page show prompt and output text", group=S)
     log_level: str = setting("info", "uvicorn log level", group=S,
                              choices=("critical", "error", "warning", "info", "debug"))
 

@@ -181,12 +181,17 @@ class AsyncEngine:
         drain deadline's last word)."""
         self._commands.put(_Call(lambda _: self._fail_all(error), concurrent.futures.Future()))
 
+    def call_soon(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future[Any]:
+        """Queue ``fn(engine)`` to run on the engine thread between steps; its result's future
+        (``asyncio.wrap_future`` awaits it from the event loop)."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put(_Call(fn, fut))
+        return fut
+
     def call_sync(self, fn: Callable[[LLMEngine], Any], timeout: float | None = 30.0) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps and return its result (for
         introspection and tests; do not call from the event loop)."""
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.put(_Call(fn, fut))
-        return fut.result(timeout)
+        return self.call_soon(fn).result(timeout)
 
     # -- the engine thread -------------------------------------------------------------------------
     def _run(self) -> None:

@@ -1,0 +1,92 @@
+"""A served engine whose KV pool shows every block state while requests run: a pool too small for
+the batch (preempted requests swap to the host tier), prompts that share a prefix (shared blocks,
+prefix hits), n=2 (forked blocks), and finished requests' cached blocks."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+from server_helpers import API_KEY, ServerThread
+
+# 12 words = 12 tokens = 3 blocks of 4 (no word starts with a special token's text, t0..t3)
+SYSTEM = " ".join(f"t{i}" for i in range(50, 62))
+
+
+def inspector_app(model: Path, *, show_text: bool = False, trace: Path | None = None,
+                  num_kv_blocks: int = 96) -> Any:
+    from pagedllm.engine import LLMEngine
+    from pagedllm.server.api import build_app
+
+    engine = LLMEngine.from_args(
+        model=str(model), block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=256,
+        max_num_seqs=16, preemption_mode="swap", swap_space=0.004, reserved_fraction=0.0,
+        kv_trace_path=None if trace is None else str(trace))
+    return build_app(engine, model_name="tiny", api_key=API_KEY, kv_inspector=True,
+                     kv_inspector_show_text=show_text)
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def complete(server: ServerThread, prompt: str, max_tokens: int, n: int = 1) -> None:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "n": n,
+            "temperature": 1.0, "seed": 1, "ignore_eos": True}
+    r = httpx.post(server.base_url + "/v1/completions", json=body, headers=auth(), timeout=120)
+    assert r.status_code == 200, r.text
+
+
+@contextmanager
+def traffic(server: ServerThread, num: int = 12, max_tokens: int = 150) -> Iterator[None]:
+    """``num`` concurrent requests sharing a system prompt (every third with n=2), after one
+    finished request that leaves cached blocks behind; joined on exit."""
+    complete(server, "t40 t41 t42 t43 t44 t45 t46 t47 t48", 4)
+    threads = [threading.Thread(target=complete, args=(
+        server, f"{SYSTEM} t{70 + i} t{80 + i} t{90 + i}", max_tokens, 2 if i % 3 == 0 else 1))
+        for i in range(num)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        for t in threads:
+            t.join(180)
+
+
+@contextmanager
+def paused(server: ServerThread, want: Any) -> Iterator[dict[str, Any]]:
+    """Hold the engine thread between two steps once ``want(engine)`` is true; yields
+    {"snapshot": the inspector's capture then, "kv_stats": engine.kv_stats() then}."""
+    box: dict[str, Any] = {}
+    ready, release = threading.Event(), threading.Event()
+    inspector = server.app.state.kv_inspector
+
+    def hold(engine: Any) -> bool:
+        if not want(engine):
+            return False
+        engine.check_integrity()
+        box["snapshot"] = inspector.capture(engine)
+        box["kv_stats"] = engine.kv_stats()
+        ready.set()
+        release.wait(60)
+        return True
+
+    holder: list[threading.Thread] = []
+
+    def poll() -> None:
+        while not server.call(hold):
+            pass
+
+    holder.append(threading.Thread(target=poll, daemon=True))
+    holder[0].start()
+    try:
+        assert ready.wait(60), "the engine never reached the wanted state"
+        yield box
+    finally:
+        release.set()
+        holder[0].join(60)
