@@ -1,6 +1,7 @@
 """A served engine whose KV pool shows every block state while requests run: a pool too small for
 the batch (preempted requests swap to the host tier), prompts that share a prefix (shared blocks,
-prefix hits), n=2 (forked blocks), and finished requests' cached blocks."""
+prefix hits), n=2 (forked blocks), and finished or swapped-out requests' cached blocks; and a
+way to hold the engine between two steps in a chosen state."""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ SYSTEM = " ".join(f"t{i}" for i in range(50, 62))
 
 
 def inspector_app(model: Path, *, show_text: bool = False, trace: Path | None = None,
-                  num_kv_blocks: int = 96) -> Any:
+                  num_kv_blocks: int = 256, max_model_len: int = 256) -> Any:
     from pagedllm.engine import LLMEngine
     from pagedllm.server.api import build_app
 
     engine = LLMEngine.from_args(
-        model=str(model), block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=256,
+        model=str(model), block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
         max_num_seqs=16, preemption_mode="swap", swap_space=0.004, reserved_fraction=0.0,
         kv_trace_path=None if trace is None else str(trace))
     return build_app(engine, model_name="tiny", api_key=API_KEY, kv_inspector=True,
@@ -34,21 +35,25 @@ def auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
 
 
-def complete(server: ServerThread, prompt: str, max_tokens: int, n: int = 1) -> None:
+def complete(server: ServerThread, prompt: str, max_tokens: int, n: int = 1,
+             priority: int = 0) -> None:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "n": n,
-            "temperature": 1.0, "seed": 1, "ignore_eos": True}
+            "temperature": 1.0, "seed": 1, "ignore_eos": True, "priority": priority}
     r = httpx.post(server.base_url + "/v1/completions", json=body, headers=auth(), timeout=120)
     assert r.status_code == 200, r.text
 
 
 @contextmanager
-def traffic(server: ServerThread, num: int = 12, max_tokens: int = 150) -> Iterator[None]:
-    """``num`` concurrent requests sharing a system prompt (every third with n=2), after one
-    finished request that leaves cached blocks behind; joined on exit."""
+def traffic(server: ServerThread, num: int = 12, max_tokens: int = 150,
+            urgent_tokens: int = 200) -> Iterator[None]:
+    """After one finished request (its blocks stay cached), ``num`` concurrent requests sharing
+    a system prompt: the first two urgent (priority 0) with n=2, so their shared prompt blocks
+    stay on the device (``urgent_tokens`` each), the rest less urgent (priority 1,
+    ``max_tokens``), preempted to the host tier when the pool runs short; joined on exit."""
     complete(server, "t40 t41 t42 t43 t44 t45 t46 t47 t48", 4)
     threads = [threading.Thread(target=complete, args=(
-        server, f"{SYSTEM} t{70 + i} t{80 + i} t{90 + i}", max_tokens, 2 if i % 3 == 0 else 1))
-        for i in range(num)]
+        server, f"{SYSTEM} t{70 + i} t{80 + i} t{90 + i}", urgent_tokens if i < 2 else max_tokens,
+        2 if i < 2 else 1, 0 if i < 2 else 1)) for i in range(num)]
     for t in threads:
         t.start()
     try:
@@ -90,3 +95,22 @@ def paused(server: ServerThread, want: Any) -> Iterator[dict[str, Any]]:
     finally:
         release.set()
         holder[0].join(60)
+
+
+@contextmanager
+def slowed(server: ServerThread, pause_s: float = 0.01) -> Iterator[None]:
+    """Rest the engine thread ``pause_s`` between steps, so that the tiny model's run lasts long
+    enough for a page that updates a few times a second to follow it."""
+    stop = threading.Event()
+
+    def rest() -> None:
+        while not stop.is_set():
+            server.call(lambda e: stop.wait(pause_s))
+
+    t = threading.Thread(target=rest, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(30)

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from kv_inspector_helpers import SYSTEM, auth, complete, inspector_app, paused, traffic
+from kv_inspector_helpers import SYSTEM, auth, complete, inspector_app, paused, slowed, traffic
 from server_helpers import ServerThread
 
 from pagedllm.kv.snapshot import count_states
@@ -116,21 +116,27 @@ def test_no_prompt_text_unless_asked(inspected: ServerThread, chat_model: Path) 
 
 def test_stream_sends_new_snapshots_while_requests_run(inspected: ServerThread) -> None:
     first = _state(inspected)
+    history_after = first["history"][-1][0] if first["history"] else 0
+    events_after = first["num_events"]
     seqs, steps, msgs = [], [], []
-    with traffic(inspected, num=4, max_tokens=120):
-        with httpx.stream("GET", inspected.base_url + "/kv/stream", headers=auth(),
-                          params={"history_after": first["history"][-1][0] if first["history"] else 0,
-                                  "events_after": first["num_events"]}, timeout=30) as s:
-            assert s.headers["content-type"].startswith("text/event-stream")
-            for line in s.iter_lines():
-                if line.startswith("data: "):
-                    msg = json.loads(line[6:])
-                    msgs.append(msg)
-                    seqs.append(msg["state"]["seq"])
-                    steps.append(msg["state"]["step"])
-                if len(set(steps)) >= 4:
-                    break
-    assert seqs == sorted(set(seqs)) and len(set(steps)) >= 4
+    with slowed(inspected), traffic(inspected, num=4, max_tokens=120):
+        while len(set(steps)) < 4:  # each stream ends after a few seconds: reconnect, as the page
+            assert not msgs or msgs[-1]["state"]["requests"], "the requests finished first"
+            params = {"history_after": history_after, "events_after": events_after}
+            with httpx.stream("GET", inspected.base_url + "/kv/stream", headers=auth(),
+                              params=params, timeout=30) as s:
+                assert s.headers["content-type"].startswith("text/event-stream")
+                for line in s.iter_lines():
+                    if line.startswith("data: "):
+                        msg = json.loads(line[6:])
+                        msgs.append(msg)
+                        seqs.append(msg["state"]["seq"])
+                        steps.append(msg["state"]["step"])
+                        if msg["history"]:
+                            history_after = msg["history"][-1][0]
+                        if msg["events"]:
+                            events_after = msg["events"][-1][0]
+    assert seqs == sorted(seqs) and len(set(steps)) >= 4
     # chart points and events arrive once each across messages (cursors move forward)
     ts = [p[0] for m in msgs for p in m["history"]]
     assert ts == sorted(set(ts))
