@@ -66,7 +66,8 @@ def traffic(server: ServerThread, num: int = 12, max_tokens: int = 150,
 @contextmanager
 def paused(server: ServerThread, want: Any) -> Iterator[dict[str, Any]]:
     """Hold the engine thread between two steps once ``want(engine)`` is true; yields
-    {"snapshot": the inspector's capture then, "kv_stats": engine.kv_stats() then}."""
+    {"snapshot": the inspector's capture then, "kv_stats": engine.kv_stats() then, "pool": the
+    pool's block counts then}."""
     box: dict[str, Any] = {}
     ready, release = threading.Event(), threading.Event()
     inspector = server.app.state.kv_inspector
@@ -77,6 +78,11 @@ def paused(server: ServerThread, want: Any) -> Iterator[dict[str, Any]]:
         engine.check_integrity()
         box["snapshot"] = inspector.capture(engine)
         box["kv_stats"] = engine.kv_stats()
+        pool = engine.kv.pool  # the pool's own counts, beside kv_stats()'s
+        box["pool"] = {"num_blocks": pool.num_blocks, "free_blocks": pool.num_free_blocks,
+                       "cached_blocks": pool.num_cached_free_blocks,
+                       "used_blocks": pool.num_used_blocks, "shared_blocks": pool.num_shared_blocks,
+                       "host_used_blocks": engine.kv.num_host_blocks - engine.kv.num_free_host_blocks}
         ready.set()
         release.wait(60)
         return True

@@ -75,6 +75,10 @@ def test_snapshot_mid_run_equals_kv_stats_and_the_scheduler(inspected: ServerThr
         assert {b: n for b, n in holders.items() if n > 1} == {int(b): n for b, n in snap["refs"].items()}
         for b, n in holders.items():
             assert snap["blocks"][b] in ("s" if n > 1 else "uh"), b
+        # every block accounted for: in use exactly when some table holds it, the rest free
+        assert {b for b, c in enumerate(snap["blocks"]) if c in "uhs"} == set(holders)
+        assert counts == box["pool"] and len(snap["blocks"]) == snap["num_blocks"]
+        assert set(snap["blocks"]) <= {".", "c", "u", "h", "s"}
         by_state = {r["state"] for r in snap["requests"]}
         assert {"running", "swapped"} <= by_state
         for r in snap["requests"]:

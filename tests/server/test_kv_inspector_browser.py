@@ -1,7 +1,10 @@
 """The /kv page in a real browser (Debian's chromium, driven by Playwright): it takes the key once,
 updates live while requests run, its block map (the pixels drawn, and its legend) shows the same
-counts as /kv/state and kv_stats(), clicking a block names its holders; a screenshot is saved.
-Skips, saying why, where chromium or Playwright is missing (``.ci/run`` installs both)."""
+counts as /kv/state and kv_stats(), clicking a block names its holders, screenshots are saved
+(``$PAGEDLLM_SCREENSHOT_DIR``, default the temp dir); and the run's --kv-trace, rendered offline,
+scrubs to the frames the Python timeline holds and ends where the live engine did.
+Skips, saying why, where no chromium is installed (``.ci/run`` installs it; Playwright comes with
+the dev extra and drives the system browser, so nothing is downloaded)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ import pytest
 from kv_inspector_helpers import auth, inspector_app, paused, slowed, traffic
 from server_helpers import API_KEY, ServerThread
 
-from pagedllm.kv.snapshot import count_states
+from pagedllm.kv.snapshot import capture_kv, count_states
+from pagedllm.kv.timeline import build_timeline, write_html
 
 CHROMIUM = os.environ.get("PAGEDLLM_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -48,33 +52,36 @@ PIXEL_COUNTS = """() => {
 }"""
 
 
-def _browser() -> Any:
+def _playwright() -> Any:
     if not Path(CHROMIUM).exists():
         pytest.skip(f"no chromium at {CHROMIUM} (apt-get install -y chromium; or set "
                     "PAGEDLLM_CHROMIUM)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("Playwright is not installed (pip install playwright; the system chromium "
-                    "is used, no browser download)")
+    from playwright.sync_api import sync_playwright  # the dev extra
+
     return sync_playwright
 
 
-@pytest.fixture()
-def page(tmp_path: Path) -> Iterator[Any]:
-    sync_playwright = _browser()
-    with sync_playwright() as p:
-        browser = p.chromium.launch_persistent_context(
-            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True,
-            args=FLAGS, viewport={"width": 1280, "height": 1000})
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with _playwright()() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
         try:
-            ERRORS.clear()
-            pg = browser.new_page()
-            pg.on("console", lambda m: ERRORS.append(m.text))
-            pg.on("pageerror", lambda e: ERRORS.append(str(e)))
-            yield pg
+            yield b
         finally:
-            browser.close()
+            b.close()
+
+
+@pytest.fixture()
+def page(browser: Any) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1280, "height": 1000})
+    try:
+        ERRORS.clear()
+        pg = context.new_page()
+        pg.on("console", lambda m: m.type == "error" and ERRORS.append(m.text))
+        pg.on("pageerror", lambda e: ERRORS.append(str(e)))
+        yield pg
+    finally:
+        context.close()
 
 
 def _wait(page: Any, js: str, what: str, timeout: float = 30) -> Any:
@@ -93,8 +100,10 @@ def _busy(engine: Any) -> bool:
             and sum(r.num_output_tokens > 0 for r in s.running) >= 2)
 
 
-def test_page_live_counts_click_and_screenshot(chat_model: Path, page: Any) -> None:
-    app = inspector_app(chat_model, num_kv_blocks=512, max_model_len=512)
+def test_page_live_counts_click_and_screenshot(chat_model: Path, page: Any,
+                                               tmp_path: Path) -> None:
+    trace = tmp_path / "kv.jsonl"
+    app = inspector_app(chat_model, num_kv_blocks=512, max_model_len=512, trace=trace)
     with ServerThread(app) as server:
         page.goto(f"{server.base_url}/kv#key={API_KEY}")
         _wait(page, "window.kvView.updates > 0", "a first snapshot")
@@ -148,8 +157,38 @@ def test_page_live_counts_click_and_screenshot(chat_model: Path, page: Any) -> N
         shown = page.evaluate("window.kvView.counts")
         assert {k: shown[k] for k in COUNTS} == {k: count_states(state)[k] for k in COUNTS} \
             == {k: stats[k] for k in COUNTS}
+        assert page.locator("#evlist > *").count() > 0  # --kv-trace: the allocation events
         assert not ERRORS, ERRORS
         page.goto("about:blank")  # close the stream before the server stops
+        live_final = server.call(lambda e: capture_kv(e.kv))
+    # the same run offline: its trace replayed as a timeline page, scrubbed
+    out = tmp_path / "kv.html"
+    final = write_html(trace, out)
+    data, _ = build_timeline(trace)
+    assert capture_kv(final)["blocks"] == live_final["blocks"]
+    page.goto(out.as_uri())
+    frames = _wait(page, "window.kvView.frames", "the timeline")
+    assert frames == len(data["frames"]) > 10
+    _wait(page, f"window.kvView.seq === {frames - 1}", "the last frame")
+    shown = page.evaluate("window.kvView.counts")
+    assert {k: shown[k] for k in COUNTS} == {k: count_states(live_final)[k] for k in COUNTS}
+    page.wait_for_timeout(100)
+    assert page.evaluate(PIXEL_COUNTS) == {c: n for c, n in shown["by_state"].items() if n}
+    fields = data["history_fields"]
+    busiest = max(range(frames), key=lambda k: data["history"][k][fields.index("host_used")])
+    page.evaluate(f"window.kvView.goto({busiest + 1})")
+    page.keyboard.press("ArrowLeft")  # one frame back, as a user scrubs
+    _wait(page, f"window.kvView.seq === {busiest}", f"frame {busiest}")
+    shown = page.evaluate("window.kvView.counts")
+    row = dict(zip(fields, data["history"][busiest]))
+    assert (shown["num_blocks"], shown["used_blocks"], shown["cached_blocks"],
+            shown["shared_blocks"], shown["host_used_blocks"]) == (
+        row["total"], row["used"], row["cached"], row["shared"], row["host_used"])
+    assert row["host_used"] > 0 and page.inner_text("#frame") == str(busiest)
+    page.wait_for_timeout(100)
+    assert page.evaluate(PIXEL_COUNTS) == {c: n for c, n in shown["by_state"].items() if n}
+    page.screenshot(path=str(SCREENSHOT_DIR / "kv-inspector-trace.png"), full_page=True)
+    assert not ERRORS, ERRORS
 
 
 def test_page_asks_for_the_key(chat_model: Path, page: Any) -> None:
