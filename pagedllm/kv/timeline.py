@@ -1,8 +1,8 @@
 """A recorded allocation trace as the KV inspector page with a scrubbable timeline:
 ``python -m pagedllm.kv.trace FILE --html OUT.html``.
 
-The trace is replayed exactly on a fresh manager (``trace.replay``); after the last op of each
-engine step the manager is pictured (``snapshot.capture_kv``) and the frame keeps only what
+The trace is replayed exactly on a fresh manager (``trace.build_timeline`` runs ``trace.replay``
+with a ``TimelineRecorder``); after the last op of each engine step the manager is pictured (``snapshot.capture_kv``) and the frame keeps only what
 changed since the previous one::
 
     {"step": 7, "ops": [...the step's events...],
@@ -23,7 +23,6 @@ from typing import Any
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.kv.page import page_html
 from pagedllm.kv.snapshot import capture_kv, count_states
-from pagedllm.kv.trace import TraceMismatch, load, replay
 
 MAX_OPS_PER_FRAME = 200  # events of one step listed on the page (the rest are counted)
 DROPPED_FIELDS = ("tokens", "hashes", "hash")  # bulky, and the tokens are prompt content
@@ -61,61 +60,56 @@ def frame_delta(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-def build_timeline(path: str | Path) -> tuple[dict[str, Any], KVCacheManager]:
-    """Replay the trace at ``path``; returns (the page's timeline data, the final manager)."""
-    events = load(path)
-    if not events or events[0].get("op") != "init":
-        raise TraceMismatch("line 1: a trace starts with an 'init' event")
-    init = events[0]
-    last_of_step = {i for i in range(1, len(events))
-                    if i + 1 == len(events) or events[i + 1].get("step") != events[i].get("step")}
-    frames: list[dict[str, Any]] = []
-    history: list[list[int]] = []
-    totals = {"hit_blocks": 0, "swapped_out": 0}
-    done = 0  # events already in a frame
-    prev = capture_kv(KVCacheManager(init["num_blocks"], init["block_size"],
-                                     init["enable_prefix_caching"],
-                                     num_host_blocks=init["num_host_blocks"]))
-    first = prev
+class TimelineRecorder:
+    """Collects the timeline while ``trace.replay(events, recorder.on_op)`` runs: a frame after
+    the last op of each step. ``events[0]`` is the trace's init line."""
 
-    def picture(snap: dict[str, Any], step: int, ops: list[dict[str, Any]]) -> dict[str, Any]:
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        self.events = events
+        self.init = events[0]
+        self.last_of_step = {i for i in range(1, len(events)) if i + 1 == len(events)
+                             or events[i + 1].get("step") != events[i].get("step")}
+        self.frames: list[dict[str, Any]] = []
+        self.history: list[list[int]] = []
+        self.totals = {"hit_blocks": 0, "swapped_out": 0}
+        self.done = 0  # events already in a frame
+        init = self.init
+        self.first = self.prev = capture_kv(KVCacheManager(
+            init["num_blocks"], init["block_size"], init["enable_prefix_caching"],
+            num_host_blocks=init["num_host_blocks"]))
+        self.frames.append(self._picture(self.first, 0, [init]))
+
+    def _picture(self, snap: dict[str, Any], step: int,
+                 ops: list[dict[str, Any]]) -> dict[str, Any]:
         c = count_states(snap)
-        history.append([step, c["num_blocks"], c["used_blocks"], c["cached_blocks"],
-                        c["shared_blocks"], c["host_used_blocks"], totals["hit_blocks"],
-                        totals["swapped_out"]])
+        self.history.append([step, c["num_blocks"], c["used_blocks"], c["cached_blocks"],
+                             c["shared_blocks"], c["host_used_blocks"],
+                             self.totals["hit_blocks"], self.totals["swapped_out"]])
         shown = [{k: v for k, v in e.items() if k not in DROPPED_FIELDS}
                  for e in ops[:MAX_OPS_PER_FRAME]]
         return {"step": step, "ops": shown, "num_ops": len(ops)}
 
-    frames.append(picture(first, 0, [init]))
-
-    def on_op(kv: KVCacheManager, i: int) -> None:
-        nonlocal done, prev
-        if i not in last_of_step:
+    def on_op(self, kv: KVCacheManager, i: int) -> None:
+        if i not in self.last_of_step:
             return
-        ops = events[done + 1:i + 1]
-        done = i
+        ops = self.events[self.done + 1:i + 1]
+        self.done = i
         for ev in ops:
             if ev["op"] == "prefix_hit":
-                totals["hit_blocks"] += len(ev["blocks"])
+                self.totals["hit_blocks"] += len(ev["blocks"])
             elif ev["op"] == "swap_out" and ev["pairs"]:
-                totals["swapped_out"] += len(ev["pairs"])
+                self.totals["swapped_out"] += len(ev["pairs"])
         snap = capture_kv(kv)
-        frame = picture(snap, events[i].get("step", 0), ops)
-        frame["d"] = frame_delta(prev, snap)
-        frames.append(frame)
-        prev = snap
+        frame = self._picture(snap, self.events[i].get("step", 0), ops)
+        frame["d"] = frame_delta(self.prev, snap)
+        self.frames.append(frame)
+        self.prev = snap
 
-    kv = replay(events, on_op)
-    data = {
-        "mode": "trace", "source": Path(path).name, "init": init, "first": first,
-        "frames": frames, "history_fields": HISTORY_FIELDS, "history": history,
-    }
-    return data, kv
+    def data(self, source: str) -> dict[str, Any]:
+        """The page's timeline data (after the replay)."""
+        return {"mode": "trace", "source": source, "init": self.init, "first": self.first,
+                "frames": self.frames, "history_fields": HISTORY_FIELDS, "history": self.history}
 
 
-def write_html(path: str | Path, out: str | Path) -> KVCacheManager:
-    """Write the inspector page with the timeline of the trace at ``path``; the final manager."""
-    data, kv = build_timeline(path)
+def write_page(data: dict[str, Any], out: str | Path) -> None:
     Path(out).write_text(page_html(data), encoding="utf-8")
-    return kv

@@ -35,6 +35,7 @@ from typing import IO, Any
 
 from pagedllm.kv.block_pool import KVBlock, hash_hex
 from pagedllm.kv.manager import KVCacheManager, PrefixHit
+from pagedllm.kv.timeline import TimelineRecorder, write_page
 
 OPS = frozenset({"allocate", "cache", "free_window", "free", "fork", "take_copies", "swap_out",
                  "swap_in", "compact", "grow", "shrink", "reset_prefix_cache"})
@@ -303,6 +304,24 @@ def _execute(kv: KVCacheManager, ev: dict[str, Any]) -> None:
         kv.reset_prefix_cache()
 
 
+def build_timeline(path: str | Path) -> tuple[dict[str, Any], KVCacheManager]:
+    """Replay the trace at ``path`` with a frame per step (``kv/timeline.py``); returns (the
+    inspector page's timeline data, the final manager)."""
+    events = load(path)
+    if not events or events[0].get("op") != "init":
+        raise TraceMismatch("line 1: a trace starts with an 'init' event")
+    recorder = TimelineRecorder(events)
+    kv = replay(events, recorder.on_op)
+    return recorder.data(Path(path).name), kv
+
+
+def write_html(path: str | Path, out: str | Path) -> KVCacheManager:
+    """Write the inspector page with the timeline of the trace at ``path``; the final manager."""
+    data, kv = build_timeline(path)
+    write_page(data, out)
+    return kv
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m pagedllm.kv.trace FILE [--html OUT]``: replay a trace (exit status 1 on a
     mismatch); ``--html`` also writes the inspector page with a scrubbable timeline of it."""
@@ -318,8 +337,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.html is not None:
-            from pagedllm.kv.timeline import write_html
-
             kv = write_html(args.trace, args.html)
         else:
             kv = replay(args.trace)

@@ -15,8 +15,7 @@ import pytest
 from pagedllm import SamplingParams
 from pagedllm.engine import LLMEngine
 from pagedllm.kv.snapshot import capture_kv, count_states
-from pagedllm.kv.timeline import build_timeline
-from pagedllm.kv.trace import main
+from pagedllm.kv.trace import build_timeline, main
 
 SNAPSHOT_KEYS = ("blocks", "refs", "host", "tables", "host_tables", "prefix")
 

@@ -22,7 +22,7 @@ from kv_inspector_helpers import auth, inspector_app, paused, slowed, traffic
 from server_helpers import API_KEY, ServerThread
 
 from pagedllm.kv.snapshot import capture_kv, count_states
-from pagedllm.kv.timeline import build_timeline, write_html
+from pagedllm.kv.trace import build_timeline, write_html
 
 CHROMIUM = os.environ.get("PAGEDLLM_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
