@@ -184,9 +184,11 @@ class BlockPool:
             out.append(block)
         return out
 
-    def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take one more reference on each block, reviving cached-evictable ones."""
+    def touch(self, blocks: Iterable[KVBlock], prefix_hit: bool = False) -> None:
+        """Take one more reference on each block, reviving cached-evictable ones; a
+        ``prefix_hit`` also counts a hit on each (the inspector's hit counts)."""
         for block in blocks:
+            block.num_hits += prefix_hit
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
                 self.num_cached_free_blocks -= block.block_hash is not None
@@ -224,11 +226,6 @@ class BlockPool:
         block.num_hits = 0
         self.cached[block_hash.value] = block
         return True
-
-    def record_hits(self, blocks: Iterable[KVBlock]) -> None:
-        """Count one prefix hit on each of these cached blocks (the inspector's hit counts)."""
-        for block in blocks:
-            block.num_hits += 1
 
     def _evict(self, block: KVBlock) -> None:
         """Drop the cached hash of a free block."""

@@ -121,10 +121,6 @@ class KVCacheManager:
         ids = self.held_blocks(request_id)
         return ids[:1] * self._skipped[request_id] + ids
 
-    def block_tables(self) -> dict[str, list[int]]:
-        """A copy of every device block table (pins included), by request id."""
-        return {rid: [b.block_id for b in t] for rid, t in self._tables.items()}
-
     def num_blocks_of(self, request_id: str) -> int:
         """Device blocks the request holds (0 if none; placeholders not counted)."""
         return len(self._tables.get(request_id, ()))
@@ -200,8 +196,7 @@ class KVCacheManager:
         if self.num_blocks_needed(request_id, num_total_tokens, prefix) > self.pool.num_free_blocks:
             return False
         if table is None:
-            self.pool.touch(hit)  # before get_new_blocks, so our own prefix is not evicted
-            self.pool.record_hits(hit)
+            self.pool.touch(hit, prefix_hit=True)  # before get_new_blocks: keeps our own prefix
             table = self._tables[request_id] = list(hit)
             skip = prefix.num_skipped if prefix is not None and hit else 0
             self._skipped[request_id] = skip
