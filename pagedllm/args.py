@@ -26,6 +26,7 @@ from pagedllm.config import (
     parse_memory,
 )
 from pagedllm.flags import add_flags, check_names, from_namespace, setting
+from pagedllm.spec_decode.config import SpeculativeConfig
 
 ENGINE, MEMORY = "engine", "memory"
 GROUP_TITLES = {ENGINE: "engine (names follow vLLM)", MEMORY: "KV memory management"}
@@ -105,6 +106,10 @@ class EngineArgs:
     free_window_blocks: bool = setting(
         _C.free_window_blocks, "sliding-window models: return KV blocks that leave the window to "
         "the pool (off: keep every block, as a full-attention model does)", group=MEMORY)
+    speculative_config: str | dict[str, Any] | None = setting(
+        None, "speculative decoding, JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1} or {\"model\": DRAFT_DIR, "
+        "\"num_speculative_tokens\": 4} (default: off)", metavar="JSON")
     preheat_prompts: Sequence[Any] | str | None = setting(
         None, "file of prompts (one per line, text or a JSON list of ids) to cache at start-up",
         group=MEMORY, metavar="FILE")
@@ -191,6 +196,7 @@ class EngineArgs:
             linear_backend=self.linear_backend,
             fused_ops=self.fused_ops,
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
+            speculative=SpeculativeConfig.parse(self.speculative_config),
         )
 
     def _kv_dtype(self, flag: str, override: str | None) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.config_hf import qwen2_full_layers, rope_from_hf
+from pagedllm.spec_decode.config import SpeculativeConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -348,6 +349,7 @@ class EngineConfig:
     fused_ops: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None  # pagedllm/spec_decode (None: off)
 
     def __post_init__(self) -> None:
         dev = self.device

@@ -68,6 +68,9 @@ class Request:
     first_token_time: float | None = None
     # False: preempted by recompute whatever preemption_mode says (beams, pagedllm.engine.beam)
     swappable: bool = True
+    # speculative decoding: tokens proposed to follow ``token_ids``, verified by the next step
+    # (pagedllm/spec_decode); never part of ``token_ids`` until accepted
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -110,6 +113,13 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def drop_last_tokens(self, n: int) -> None:
+        """Forget the last ``n`` output tokens (accepted proposals past a stop string, in the
+        step that ends the request)."""
+        if n > 0:
+            assert n <= self.num_output_tokens
+            del self.token_ids[-n:]
 
     def check_stop(self) -> RequestStatus | None:
         """Token-level stop conditions after a new token was appended (stop strings are checked

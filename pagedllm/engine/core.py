@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from pagedllm.args import EngineArgs
@@ -29,6 +30,7 @@ from pagedllm.sched import Scheduler, SchedulerOutput
 from pagedllm.sched.build import build_scheduler
 from pagedllm.sched.memory import KVMemoryPolicy
 from pagedllm.sched.stats import StepStats
+from pagedllm.spec_decode.decoder import SpecDecoder, build_spec_decoder
 from pagedllm.tokenizer import eos_token_ids, get_tokenizer
 
 logger = init_logger(__name__)
@@ -66,6 +68,7 @@ class LLMEngine:
         self.input = InputProcessor(config, self.tokenizer, self.eos_token_ids)
         self.output = OutputProcessor(self.tokenizer)
         self.beams = BeamSearch(self.scheduler, self.tokenizer, config.scheduler.max_model_len)
+        self.spec: SpecDecoder | None = build_spec_decoder(config, self.tokenizer)
         self.stats = self.current_stats()  # the last step's record (StepStats)
 
     @classmethod
@@ -137,7 +140,7 @@ class LLMEngine:
         ids += self.beams.abort(request_id)
         if not ids:
             return False
-        self.executor.release(ids)
+        self._release(ids)
         self.stats = self.current_stats()  # the state changed outside a step
         return True
 
@@ -159,6 +162,8 @@ class LLMEngine:
     # -- the hot loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.spec is not None:  # speculative decoding: proposals for this step's decodes
+            self.spec.propose(self.scheduler.running, self.output.owns, self.scheduler.num_steps + 1)
         sched = self.scheduler.schedule()
         stats = StepStats.open(self.scheduler, sched)
         try:
@@ -166,23 +171,39 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - a bad request fails alone, else re-raised
             outputs = self._fail_culprits(sched, e, stats)
         else:
-            self.scheduler.update(sched, self.beams.take(sched, result.sampled))
+            accepted = {rid: len(toks) for rid, toks in result.accepted.items()}
+            self.scheduler.update(sched, self.beams.take(sched, result.sampled), accepted)
+            if self.spec is not None:
+                stats.spec = self.spec.record(sched, accepted, self.scheduler.num_steps)
             outputs = self._process_outputs(sched, result, stats)
         upkeep = self.scheduler.end_step()  # compaction, or shrinking an idle pool: KV only
         if upkeep is not None:
             self.executor.execute(upkeep)
-        self.stats = stats.close(self.scheduler, time.perf_counter() - t0)
+        self.stats = self._close(stats, time.perf_counter() - t0)
         return outputs
+
+    def _close(self, stats: StepStats, step_time_s: float) -> StepStats:
+        stats.close(self.scheduler, step_time_s)
+        if self.spec is not None:
+            stats.spec_total = replace(self.spec.total)
+        return stats
+
+    def _release(self, request_ids: list[str]) -> None:
+        """Forget finished sequences' per-request state (sampling, proposers)."""
+        self.executor.release(request_ids)
+        if self.spec is not None:
+            self.spec.release(request_ids)
 
     def _process_outputs(self, sched: SchedulerOutput, result: RunnerOutput,
                          stats: StepStats) -> list[RequestOutput]:
         stats.prepare_time_s = result.prepare_s
-        done = self.output.process(sched.scheduled, result.sampled, result.prompt_logprobs, stats)
+        done = self.output.process(sched.scheduled, result.sampled, result.prompt_logprobs, stats,
+                                   result.accepted)
         for rid in done.stopped:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
         beam_outputs, beams_ended = self.beams.select()
         if done.finished or beams_ended:
-            self.executor.release(done.finished + beams_ended)
+            self._release(done.finished + beams_ended)
         return done.outputs + beam_outputs if beam_outputs else done.outputs
 
     def _fail_culprits(self, sched: SchedulerOutput, error: Exception,
@@ -213,7 +234,7 @@ class LLMEngine:
             out = self.output.finish(gid, stats)
             if out is not None:
                 outputs.append(out)
-            self.executor.release(seqs)
+            self._release(seqs)
         return outputs
 
     # -- introspection ----------------------------------------------------------------------------
@@ -270,7 +291,7 @@ class LLMEngine:
     def current_stats(self) -> StepStats:
         """A record of the engine as it is now, outside any step (``self.stats`` is the last
         step's)."""
-        return StepStats.open(self.scheduler, SchedulerOutput()).close(self.scheduler, 0.0)
+        return self._close(StepStats.open(self.scheduler, SchedulerOutput()), 0.0)
 
     def kv_stats(self) -> dict[str, Any]:
         """KV memory now: blocks by state, utilization, prefix cache, preemptions, swaps."""
@@ -298,6 +319,11 @@ class LLMEngine:
             "kv_bytes_per_token": c.kv_bytes_per_token(self.config.model),
             "k_cache_dtype": c.k_cache_dtype,
             "v_cache_dtype": c.v_cache_dtype,
+            "spec_decode_num_drafts": s.spec_total.num_drafts,
+            "spec_decode_num_draft_tokens": s.spec_total.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": s.spec_total.num_accepted_tokens,
+            "spec_decode_acceptance_rate": s.spec_total.acceptance_rate,
+            "spec_decode_mean_accepted_length": s.spec_total.mean_accepted_length,
         }
 
 

@@ -31,6 +31,7 @@ class _Seq:
     sent_tokens: int = 0
     sent_text: int = 0
     done: bool = False
+    num_seen: int = 0  # output tokens processed (more than one a step with speculation)
 
     @property
     def finish_reason(self) -> str | None:
@@ -120,9 +121,11 @@ class OutputProcessor:
         return out
 
     def process(self, scheduled: list[ScheduledRequest], sampled: dict[str, SampledToken],
-                prompt_lps: dict[str, PromptLogprobsChunk], stats: StepStats) -> ProcessedStep:
+                prompt_lps: dict[str, PromptLogprobsChunk], stats: StepStats,
+                accepted: dict[str, list[SampledToken]] | None = None) -> ProcessedStep:
         """Outputs of the step; its request events (tokens, latencies, finishes) go to
-        ``stats``."""
+        ``stats``. ``accepted``: speculative decoding's accepted proposals, which precede a
+        request's ``sampled`` token (as many of them as the scheduler appended)."""
         step = ProcessedStep()
         touched: dict[str, _Group] = {}
         now = time.monotonic()
@@ -139,16 +142,25 @@ class OutputProcessor:
             if tok is None:
                 continue
             touched[group.request_id] = group
-            stats.num_generation_tokens += 1
+            # a token-level stop among accepted proposals ended the request early
+            toks = [*accepted.get(req.request_id, ()), tok] if accepted else [tok]
+            toks = toks[: req.num_output_tokens - seq.num_seen]
+            seq.num_seen += len(toks)
             if req.first_token_time is None:
                 req.first_token_time = now
-            self._record_logprobs(req, tok)
-            stop_token = req.is_finished and req.status == RequestStatus.FINISHED_STOPPED
-            if not stop_token or req.params.include_stop_str_in_output:
-                seq.detok.add_tokens([tok.token_id])
-            if seq.detok.stopped_by is not None and not req.is_finished:
-                req.stop_reason = seq.detok.stopped_by
-                step.stopped.append(req.request_id)
+            for j, t in enumerate(toks):
+                stats.num_generation_tokens += 1
+                self._record_logprobs(req, t)
+                last = j == len(toks) - 1
+                stop_token = last and req.is_finished and req.status == RequestStatus.FINISHED_STOPPED
+                if not stop_token or req.params.include_stop_str_in_output:
+                    seq.detok.add_tokens([t.token_id])
+                if seq.detok.stopped_by is not None and not req.is_finished:
+                    req.stop_reason = seq.detok.stopped_by
+                    req.drop_last_tokens(len(toks) - 1 - j)  # past the stop string
+                    seq.num_seen -= len(toks) - 1 - j
+                    step.stopped.append(req.request_id)
+                    break
         for group in touched.values():
             finished = group.finished
             _record_events(group, now, finished, stats)

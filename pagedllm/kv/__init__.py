@@ -5,7 +5,8 @@ unit-tested and simulated in milliseconds without a model.
 """
 
 from pagedllm.kv.block_pool import BlockHash, BlockPool, FreeBlockQueue, KVBlock
-from pagedllm.kv.manager import KVCacheManager, PrefixCacheStats, PrefixHit, hash_block_tokens
+from pagedllm.kv.manager import KVCacheManager, PrefixCacheStats, PrefixHit
+from pagedllm.kv.prefix import hash_block_tokens
 
 __all__ = [
     "BlockHash",

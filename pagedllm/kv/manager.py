@@ -33,7 +33,6 @@ from pagedllm.kv.host_tier import HostTier
 from pagedllm.kv.prefix import (
     PrefixCacheStats,
     PrefixHit,
-    hash_block_tokens,
     held_blocks_of_hit,
     longest_cached_prefix,
     make_block_hash,
@@ -41,8 +40,7 @@ from pagedllm.kv.prefix import (
 from pagedllm.kv.sharing import CopyOnWrite
 from pagedllm.kv.window import SlidingWindow
 
-__all__ = ["KVCacheManager", "PrefixCacheStats", "PrefixHit", "hash_block_tokens",
-           "make_block_hash"]
+__all__ = ["KVCacheManager", "PrefixCacheStats", "PrefixHit", "make_block_hash"]
 
 PIN_PREFIX = "__pinned__/"
 
@@ -209,24 +207,18 @@ class KVCacheManager:
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                      extra_keys: tuple | None = None) -> None:
-        """Hash and register the request's blocks that became full and fully computed.
-
-        Each block is hashed once (the chain is kept per request). If an identical block is
-        already indexed the index keeps it; the request keeps its own copy. Unknown request ids
-        (e.g. aborted between schedule and update) are ignored.
-        """
-        if not self.enable_prefix_caching:
-            return
+        """Hash and register the request's blocks that became full and fully computed, each once
+        (the chain is kept per request); an identical block already indexed stays indexed, the
+        request keeps its copy. Unknown ids (e.g. aborted between schedule and update): no-op."""
         table = self._tables.get(request_id)
-        if table is None:
+        if not self.enable_prefix_caching or table is None:
             return
         hashes = self._hashes[request_id]
         bs, skip = self.block_size, self._skipped[request_id]
         num_full = min(num_computed_tokens, len(token_ids), (skip + len(table)) * bs) // bs
-        start = len(hashes)
-        if start and hashes[-1] is None:
+        if hashes and hashes[-1] is None:
             return  # the chain's parent is unknown (a replayed windowed hit): cannot extend it
-        for i in range(start, num_full):
+        for i in range(len(hashes), num_full):
             h = make_block_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs],
                                 extra_keys)
             if i >= skip:  # a block freed behind the window is never hashed into the index
@@ -244,13 +236,24 @@ class KVCacheManager:
         n = min(self.window.first_needed_block(num_computed_tokens) - skip, len(table) - 1)
         if n <= 0:
             return 0
-        gone = table[:n]
-        del table[:n]
+        gone, table[:n] = table[:n], []
         self._skipped[request_id] = skip + n
         self.cow.shift(request_id, n)
         self.pool.free_blocks(gone)
         self.num_window_freed += n
         return n
+
+    def rollback(self, request_id: str, num_tokens: int) -> list[int]:
+        """Speculative decoding: free (and return) the held blocks past the first ``num_tokens``
+        positions, the step's private, unhashed slots of rejected proposals."""
+        table, skip = self._tables.get(request_id, []), self._skipped.get(request_id, 0)
+        keep = -(-num_tokens // self.block_size) - skip  # held blocks kept
+        gone = table[keep:]
+        assert not gone or len(self._hashes[request_id]) <= keep + skip and all(
+            b.ref_cnt == 1 and b.block_hash is None for b in gone), "rollback past a hash or a share"
+        del table[keep:]
+        self.pool.free_blocks(reversed(gone))
+        return [b.block_id for b in gone]
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first: among its cached blocks the deepest
@@ -269,9 +272,8 @@ class KVCacheManager:
 
     # -- sharing: fork (copy-on-write, kv/sharing.py) and pinned prefixes --------------------------
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
-        """Give ``child_id`` the parent's blocks covering its first ``num_tokens`` (computed)
-        tokens, by reference. Takes no free block; a shared partial last block is copied on the
-        next write of whichever sharer writes first."""
+        """Give ``child_id`` the parent's blocks of its first ``num_tokens`` (computed) tokens by
+        reference, taking no free block; a shared partial last block is copied on the next write."""
         if child_id in self._tables:
             raise ValueError(f"request {child_id!r} already has blocks")
         skip = self._skipped[parent_id] if parent_id in self._tables else 0
@@ -282,14 +284,12 @@ class KVCacheManager:
         self._hashes[child_id] = self._hashes[parent_id][:num_tokens // self.block_size]
 
     def take_block_copies(self) -> list[tuple[int, int]]:
-        """The (src, dst) copies made by ``allocate_slots`` since the last call; the runner must
-        apply them (in one batch) before writing into the dst blocks."""
+        """``allocate_slots``'s (src, dst) copies since the last call, to apply before dst is written."""
         return self.cow.take()
 
     def pin(self, token_ids: Sequence[int]) -> int:
-        """Warm-up: take one reference on the cached full blocks at the head of ``token_ids`` (as
-        ``find_prefix`` finds them) under a pseudo-request, so they are never evicted; returns how
-        many blocks were pinned. ``unpin_all`` releases them."""
+        """Warm-up: hold ``find_prefix``'s hit for ``token_ids`` under a pseudo-request, never
+        evicted until ``unpin_all``; returns how many blocks were pinned."""
         hit = self.find_prefix(token_ids, record_stats=False)
         if not hit.blocks:
             return 0

@@ -14,9 +14,11 @@ the call did; a manager without a trace runs its plain methods. On (``LLM(kv_tra
 
 Ops (re-executed by ``replay``): allocate, cache (block ids + hash values, with the tokens
 needed to recompute them), free_window (blocks freed behind a sliding window), free, fork,
-take_copies, swap_out, swap_in, compact, grow, shrink, reset_prefix_cache. Block lists are by
-position; ``null`` marks a position freed behind the sliding window. Effects (checked, not executed): evict (the pool's ``on_evict`` hook),
-prefix_hit, cow_copy. ``step`` is the scheduler's step count (the tracer's ``clock``).
+take_copies, swap_out, swap_in, compact, grow, shrink, reset_prefix_cache, rollback
+(speculative decoding's rejected tail). Block lists are by position; ``null`` marks a
+position freed behind the sliding window. Effects (checked, not executed): evict (the pool's
+``on_evict`` hook), prefix_hit, cow_copy. ``step`` is the scheduler's step count (the
+tracer's ``clock``).
 
 ``replay(path)`` builds a fresh ``KVCacheManager`` from the init line (pure Python, no torch),
 re-executes every op with a tracer of its own attached, and requires that the events it emits
@@ -38,7 +40,7 @@ from pagedllm.kv.manager import KVCacheManager, PrefixHit
 from pagedllm.kv.timeline import TimelineRecorder, write_page
 
 OPS = frozenset({"allocate", "cache", "free_window", "free", "fork", "take_copies", "swap_out",
-                 "swap_in", "compact", "grow", "shrink", "reset_prefix_cache"})
+                 "swap_in", "compact", "grow", "shrink", "reset_prefix_cache", "rollback"})
 EFFECTS = frozenset({"prefix_hit", "cow_copy", "evict"})
 
 
@@ -176,6 +178,14 @@ def _shrink(kv: KVCacheManager, t: KVTracer, call: Callable[[int], bool], n: int
     return ok
 
 
+def _rollback(kv: KVCacheManager, t: KVTracer, call: Callable[[str, int], list[int]],
+              request_id: str, num_tokens: int) -> list[int]:
+    freed = call(request_id, num_tokens)
+    if freed:
+        t.emit("rollback", rid=request_id, num_tokens=num_tokens, blocks=freed)
+    return freed
+
+
 def _reset(kv: KVCacheManager, t: KVTracer, call: Callable[[], bool]) -> bool:
     ok = call()
     t.emit("reset_prefix_cache", ok=ok)
@@ -187,7 +197,7 @@ RECORDERS: dict[str, Callable[..., Any]] = {
     "free": _free, "fork": _fork,
     "take_block_copies": _take_copies, "swap_out": _pairs("swap_out"),
     "swap_in": _pairs("swap_in"), "compact": _compact, "grow": _grow, "shrink": _shrink,
-    "reset_prefix_cache": _reset,
+    "reset_prefix_cache": _reset, "rollback": _rollback,
 }
 
 
@@ -302,6 +312,8 @@ def _execute(kv: KVCacheManager, ev: dict[str, Any]) -> None:
         kv.shrink(ev["n"])
     elif op == "reset_prefix_cache":
         kv.reset_prefix_cache()
+    elif op == "rollback":
+        kv.rollback(ev["rid"], ev["num_tokens"])
 
 
 def build_timeline(path: str | Path) -> tuple[dict[str, Any], KVCacheManager]:

@@ -33,6 +33,7 @@ from pagedllm.runner.kv_cache import KVCache
 from pagedllm.runner.memory import MemoryProfile, MemoryProfiler
 from pagedllm.runner.penalties import PenaltyCounts
 from pagedllm.sched.output import KVUpdate, ScheduledRequest, SchedulerOutput
+from pagedllm.spec_decode import verify
 
 logger = init_logger(__name__)
 
@@ -61,6 +62,9 @@ class PromptLogprobsChunk:
 @dataclass
 class RunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # speculative decoding: the proposals each verifying request accepted, in order, before
+    # its ``sampled`` token (pagedllm/spec_decode/verify.py)
+    accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     prepare_s: float = 0.0  # time in ``prepare`` (block tables -> flat batch), for the stats
 
@@ -215,7 +219,7 @@ class ModelRunner:
     # -- batch preparation --------------------------------------------------------------------
     def prepare(self, sched: list[ScheduledRequest]) -> HostBatch:
         """The step's flat batch on the host: block tables -> positions and slot mapping."""
-        return build_host_batch([s.request.token_ids[s.start : s.end] for s in sched],
+        return build_host_batch([s.input_token_ids for s in sched],
                                 [s.start for s in sched], [s.block_table for s in sched],
                                 self.block_size)
 
@@ -319,16 +323,22 @@ class ModelRunner:
         q_start = hb.q_start.tolist()
         sampling = [i for i, s in enumerate(sched) if s.samples]
         if sampling:
-            if len(sampling) == hidden.shape[0]:  # decode only, every row samples
+            # one row per sampling request, k + 1 rows for one verifying k proposals
+            sub = [sched[i] for i in sampling for _ in range(1 + len(sched[i].spec_token_ids))]
+            if len(sub) == hidden.shape[0]:  # every row samples (decode only, or verification)
                 last = hidden
             else:
-                last = hidden[self.uploader.tensor([q_start[i + 1] - 1 for i in sampling], torch.long)]
-            logits = self.model.compute_logits(last)  # [S, V]
-            sub = [sched[i] for i in sampling]
+                last = hidden[self.uploader.tensor(
+                    [r for i in sampling
+                     for r in range(q_start[i + 1] - 1 - len(sched[i].spec_token_ids),
+                                    q_start[i + 1])], torch.long)]
+            logits = self.model.compute_logits(last)  # [rows, V]
+            spec = verify.SeededRewind(sub, self.generators)
             so = sample(logits, self._sampling_metadata(sub))
             fetched = fetch([so.token_ids, so.logprobs, so.ranks, so.topk_ids, so.topk_logprobs])
             ids, lps, ranks, tk_ids, tk_lps = (None if t is None else t.tolist() for t in fetched)
             assert ids is not None
+            toks: list[SampledToken] = []
             for j, s in enumerate(sub):
                 tok = SampledToken(ids[j])
                 k = s.request.params.logprobs
@@ -336,7 +346,9 @@ class ModelRunner:
                     tok.logprob, tok.rank = lps[j], ranks[j]
                     if k > 0 and tk_ids is not None and tk_lps is not None:
                         tok.topk = list(zip(tk_ids[j][:k], tk_lps[j][:k]))
-                result.sampled[s.request.request_id] = tok
+                toks.append(tok)
+            verify.accept(sub, toks, result.sampled, result.accepted)
+            spec.rewind(result.accepted, self.vocab_size)
 
         for i, s in enumerate(sched):
             if s.request.params.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1:

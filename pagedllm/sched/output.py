@@ -9,9 +9,14 @@ from pagedllm.request import Request
 
 @dataclass
 class ScheduledRequest:
+    """``num_new_tokens`` positions from ``start``. With ``spec_token_ids`` (speculative
+    decoding) the last of them are proposed tokens: the request's last token plus k proposals
+    are the k + 1 query tokens whose logits verify the proposals (pagedllm/spec_decode)."""
+
     request: Request
     num_new_tokens: int
     block_table: list[int]
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def start(self) -> int:
@@ -25,7 +30,13 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the request, so a new token is sampled."""
-        return self.end == self.request.num_tokens
+        return self.end == self.request.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        """The token ids at positions ``start .. end - 1``: known tokens, then proposals."""
+        known = self.request.token_ids[self.start : self.end]
+        return known + self.spec_token_ids if self.spec_token_ids else known
 
 
 @dataclass

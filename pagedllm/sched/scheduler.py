@@ -40,6 +40,7 @@ from pagedllm.request import Request, RequestStatus
 from pagedllm.sched.memory import KVMemoryPolicy
 from pagedllm.sched.output import ScheduledRequest, SchedulerOutput
 from pagedllm.sched.preemption import PreemptionCost, choose_preemption
+from pagedllm.spec_decode.schedule import keep_accepted, proposals_to_verify
 
 __all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput"]
 
@@ -207,11 +208,14 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            n = self._allocate_or_preempt(req, n, out)
+            spec = proposals_to_verify(req, n, budget, len(self.running) - 1 - i, self.kv,
+                                       self._try_allocate)
+            n = n if spec else self._allocate_or_preempt(req, n, out)
             if not n:
                 break  # req itself was preempted; everything after it already was
-            out.scheduled.append(ScheduledRequest(req, n, self.kv.block_table(req.request_id)))
-            budget -= n
+            out.scheduled.append(ScheduledRequest(req, n + len(spec),
+                                                  self.kv.block_table(req.request_id), spec))
+            budget -= n + len(spec)
             i += 1
 
         if not out.preempted:
@@ -374,27 +378,22 @@ class Scheduler:
         or shrinks the pool (idle), if any (``KVMemoryPolicy.end_step``)."""
         return self.memory.end_step(self.requests.values(), idle=not self.requests)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, fork n > 1 children, apply
-        token-level stops.
-
-        Returns the requests that finished this step (already removed, blocks freed).
-        """
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               accepted: dict[str, int] | None = None) -> list[Request]:
+        """Advance computed counts, append sampled tokens (after a verification's accepted
+        proposals: ``keep_accepted``), fork n > 1 children, apply token-level stops. Returns the
+        requests that finished this step (already removed, blocks freed)."""
         finished: list[Request] = []
         for s in out.scheduled:
             req = s.request
             if req.is_finished:
                 continue
             req.num_computed_tokens += s.num_new_tokens
-            token = sampled.get(req.request_id)
-            if token is not None:
-                req.append_token(token)
+            status = keep_accepted(s, sampled.get(req.request_id), accepted, self.kv)
             self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
             self.kv.free_outside_window(req.request_id, req.num_computed_tokens)
             self._fork_if_due(req)
-            if token is not None:
-                status = req.check_stop()
-                if status is not None:
-                    self.finish_request(req.request_id, status)
-                    finished.append(req)
+            if status is not None:
+                self.finish_request(req.request_id, status)
+                finished.append(req)
         return finished

@@ -38,6 +38,30 @@ class KVBlockCounts:
 
 
 @dataclass
+class SpecDecodeCounts:
+    """Speculative decoding (vLLM's metric names): verifications (``num_drafts``: requests that
+    verified proposals), proposed and accepted tokens."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification produced on average: the accepted ones plus the target's own."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def add(self, other: SpecDecodeCounts) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+
+
+@dataclass
 class StepStats:
     step: int = 0  # the scheduler's step count (0: a snapshot outside any step)
     # -- the batch, right after scheduling ----------------------------------------------------
@@ -71,6 +95,9 @@ class StepStats:
     window_freed_blocks: int = 0  # freed behind a sliding window
     step_time_s: float = 0.0
     prepare_time_s: float = 0.0  # of the step time: building the flat batch from block tables
+    # speculative decoding: this step's verifications, and the totals since start-up
+    spec: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
+    spec_total: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
     # -- request events of the step (the engine's output processing) --------------------------
     num_prompt_tokens: int = 0  # prompts of the requests that produced their first token
     num_generation_tokens: int = 0

@@ -61,6 +61,14 @@ class _EngineStateCollector(Collector):
         yield counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       s.prefix_cache_hits)
         yield counter("pagedllm:num_preemptions", "Preemptions since start-up.", s.num_preemptions)
+        if e.spec is not None:  # speculative decoding (vLLM's names)
+            t = s.spec_total
+            yield counter("pagedllm:spec_decode_num_drafts", "Verifications of proposed tokens.",
+                          t.num_drafts)
+            yield counter("pagedllm:spec_decode_num_draft_tokens", "Proposed tokens verified.",
+                          t.num_draft_tokens)
+            yield counter("pagedllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                          t.num_accepted_tokens)
 
 
 class ServerMetrics:

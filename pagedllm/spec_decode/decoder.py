@@ -1,0 +1,123 @@
+"""SpecDecoder: the engine's speculative decoding, around its one step.
+
+    step():  propose (here) -> schedule -> execute (verify) -> update (accept, roll back) -> outputs
+
+``propose`` runs before ``schedule``: each decoding request the adaptive rule lets through gets
+``spec_token_ids`` from the proposer (n-gram lookup); the scheduler gives it
+1 + k query tokens inside the token budget (sched/scheduler.py ``_proposals``), the runner
+verifies them (spec_decode/verify.py), ``Scheduler.update`` appends the accepted ones and rolls
+the KV back past them (``KVCacheManager.rollback``), and ``record`` counts the step.
+
+Requests that never propose (they run as plain decodes in the same step): beams (their step is
+scored, not appended), requests with presence / frequency / repetition penalties (the penalty of
+row j would depend on the proposals before it), and requests still under ``min_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pagedllm.request import Request
+from pagedllm.sched.output import SchedulerOutput
+from pagedllm.sched.stats import SpecDecodeCounts
+from pagedllm.spec_decode.adaptive import AdaptiveRule
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.ngram import ngram_propose
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
+
+
+class Proposer(Protocol):
+    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        """Up to ``ks[i]`` tokens to follow each request's ``token_ids`` (possibly none)."""
+        ...
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Forget finished requests."""
+        ...
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.n_max, self.n_min = config.prompt_lookup_max, config.prompt_lookup_min
+
+    def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        return [ngram_propose(r.token_ids, k, self.n_max, self.n_min)
+                for r, k in zip(requests, ks)]
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        pass
+
+
+def can_speculate(req: Request) -> bool:
+    """Whether ``req``'s sampling lets its next tokens be verified together (module docstring)."""
+    p = req.params
+    return not p.uses_penalties and req.num_output_tokens >= p.min_tokens
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.rule = AdaptiveRule(config)
+        self.total = SpecDecodeCounts()
+
+    def propose(self, running: Iterable[Request], owns: Callable[[str], bool], step: int) -> int:
+        """Set ``spec_token_ids`` of the running requests that propose this step (and clear
+        everyone else's). ``owns``: whether a request may speculate (not a beam). Returns the
+        number of requests given proposals."""
+        decoding: list[Request] = []
+        for r in running:
+            r.spec_token_ids = []
+            if r.num_computed_tokens == r.num_tokens - 1 and owns(r.request_id):
+                decoding.append(r)
+        if not decoding or not self.rule.batch_allows(len(decoding)):
+            return 0
+        reqs: list[Request] = []
+        ks: list[int] = []
+        for r in decoding:
+            k = min(self.config.num_speculative_tokens, r.max_output_tokens - r.num_output_tokens - 1)
+            if k > 0 and can_speculate(r) and self.rule.request_allows(r.request_id, step):
+                reqs.append(r)
+                ks.append(k)
+        if not reqs:
+            return 0
+        n = 0
+        for r, k, p in zip(reqs, ks, self.proposer.propose(reqs, ks)):
+            r.spec_token_ids = p[:k]
+            n += bool(p)
+        return n
+
+    def record(self, out: SchedulerOutput, accepted: dict[str, int], step: int) -> SpecDecodeCounts:
+        """The step's verifications (``accepted``: proposals kept per verifying request)."""
+        counts = SpecDecodeCounts()
+        for s in out.scheduled:
+            k = len(s.spec_token_ids)
+            if not k:
+                continue
+            a = accepted.get(s.request.request_id, 0)
+            counts.num_drafts += 1
+            counts.num_draft_tokens += k
+            counts.num_accepted_tokens += a
+            self.rule.record(s.request.request_id, k, a, step)
+        self.total.add(counts)
+        return counts
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        ids = list(request_ids)
+        for rid in ids:
+            self.rule.forget(rid)
+        self.proposer.release(ids)
+
+
+def build_spec_decoder(config: EngineConfig, tokenizer: Any) -> SpecDecoder | None:
+    """The engine's SpecDecoder for ``config.speculative`` (None: no speculation)."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    if spec.method != "ngram":
+        raise ValueError(f"speculative_config method {spec.method!r} is not supported yet; use "
+                         '{"method": "ngram", ...} (--speculative-config)')
+    return SpecDecoder(spec, NgramProposer(spec))
