@@ -1,4 +1,5 @@
-"""``pagedllm bench throughput | prefix | memory | block-size | linear | kernel | serve | soak | random-model``.
+"""``pagedllm bench throughput | prefix | latency | memory | block-size | linear | kernel | serve | soak
+| random-model``.
 
 Registered by ``pagedllm.entrypoints.cli``; everything heavy is imported inside the command functions.
 """
@@ -150,6 +151,39 @@ def register(subparsers: Any) -> None:
         return 0
 
     p.set_defaults(func=cmd_prefix)
+
+    # -- latency: single-request / small-batch decode, speculative decoding on vs off ----------
+    p = sub.add_parser("latency", help="single-request and small-batch decode speed, "
+                       "speculative decoding on vs off, interleaved")
+    p.add_argument("--batch-sizes", type=_ints, default=(1, 4, 16))
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3, help="repetitions per engine (the fastest is reported)")
+    p.add_argument("--random-prompts", action="store_true",
+                   help="seeded random token ids instead of held-out code (nothing repeats)")
+    _common(p)
+    EngineArgs.add_cli_args(p)
+
+    def cmd_latency(a: argparse.Namespace) -> int:
+        from pagedllm.bench.latency import code_prompts, random_prompts, report_latency, run_latency
+        from pagedllm.bench.workload import engine_config
+        from pagedllm.tokenizer import get_tokenizer
+
+        _setup(a)
+        kw = engine_kwargs(a)
+        cfg = engine_config(kw)
+        n = max(a.batch_sizes)
+        if a.random_prompts:
+            prompts = random_prompts(cfg.model.vocab_size, n, a.prompt_len, a.seed)
+        else:
+            prompts = code_prompts(get_tokenizer(cfg.tokenizer), n, a.prompt_len)
+        spec = cfg.speculative
+        spec_dict = dataclasses.asdict(spec) if spec is not None else None
+        res = run_latency(prompts, kw, spec_dict, tuple(a.batch_sizes), a.output_len, a.reps)
+        _show(report_latency(res, a.output_dir, a.output_json, a.plot))
+        return 0
+
+    p.set_defaults(func=cmd_latency)
 
     # -- memory -------------------------------------------------------------------------------
     p = sub.add_parser("memory", help="paged vs contiguous at the same KV budget: concurrency and "
