@@ -5,8 +5,8 @@ handful of rows either way) and a rejected proposal then costs little; it stops 
 the batch is large enough that the k extra rows per request make the step compute-bound. So:
 
   * batch: no request proposes in a step where more than ``disable_by_batch_size`` requests are
-    decoding (vLLM's ``speculative_disable_by_batch_size``; the default is a first guess, see the
-    README's "Speculative decoding" section);
+    decoding (vLLM's ``speculative_disable_by_batch_size``; the default is where the measured
+    on/off ratio crossed 1.0: the README's "Speculative decoding" section);
   * per request: over its last ``acceptance_window`` proposed tokens, if fewer than
     ``min_acceptance_rate`` were accepted, the request stops proposing for ``backoff_steps``
     steps, then starts again with a fresh window (text that stopped repeating may repeat again).

@@ -303,3 +303,18 @@ def test_metrics_count_drafts_and_accepts(tiny_models: dict[str, Path]) -> None:
     plain = _llm(tiny_models, False).engine
     assert "spec_decode" not in ServerMetrics(plain, "m").render().decode()
     assert plain.spec is None and plain.kv_stats()["spec_decode_num_drafts"] == 0
+
+
+def test_sliding_window_model_frees_and_rolls_back(make_model: Any) -> None:
+    """A windowed Mistral (window 12, blocks of 4) in a tight pool: blocks leave the window at the
+    front while rejected proposals roll back at the back; outputs as without speculation."""
+    path = make_model("mistral", sliding_window=12)
+    kw = dict(model=str(path), block_size=4, num_kv_blocks=48, max_model_len=128,
+              max_num_batched_tokens=32, reserved_fraction=0.0)
+    prompts = repetitive_prompts(8, seed=7)
+    want = run(LLM(**kw).engine, prompts, GREEDY)
+    eng = LLM(**kw, speculative_config=NGRAM).engine
+    got = run(eng, prompts, GREEDY)
+    same_outputs(got, want)
+    assert eng.kv_stats()["window_freed_blocks"] > 0
+    assert_accepts_and_rejects(eng)
