@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Any
 from pagedllm import _openmp  # noqa: F401 - before anything imports torch (see that module)
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "__version__"]
 
 _LAZY = {
     "LLM": "pagedllm.entrypoints.llm",
     "LLMEngine": "pagedllm.engine.core",
     "EngineArgs": "pagedllm.args",
     "SamplingParams": "pagedllm.sampling_params",
+    "StructuredOutputsParams": "pagedllm.sampling_params",
     "RequestOutputKind": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from pagedllm.engine.core import LLMEngine
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.outputs import CompletionOutput, RequestOutput
-    from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+    from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -111,6 +111,15 @@ class Request:
         """Lower = more urgent: priority first, then arrival (FCFS)."""
         return (self.priority, self.arrival_seq, self.fork_seq)
 
+    @property
+    def stopped_on_token(self) -> bool:
+        """Finished by an eos or stop token (left out of the text), rather than by a stop
+        string or a complete grammar."""
+        if self.status != RequestStatus.FINISHED_STOPPED or not self.num_output_tokens:
+            return False
+        last, p = self.token_ids[-1], self.params
+        return (not p.ignore_eos and last in self.eos_token_ids) or last in p.stop_token_ids
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 

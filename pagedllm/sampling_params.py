@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+import json
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from pagedllm.checks import lone_surrogate
 
@@ -16,6 +18,71 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = "final_only"  # one output, when the request finishes
 
 
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's names): exactly one of
+
+    - ``json``: a JSON schema (a dict or its JSON text); the output is one JSON value valid
+      against it,
+    - ``regex``: the output matches the regular expression (Rust ``regex`` syntax),
+    - ``choice``: the output is one of these strings,
+    - ``grammar``: a context-free grammar, GBNF/EBNF (``root ::= ...``) or Lark (``start: ...``),
+    - ``json_object=True``: any JSON object.
+
+    JSON is written compactly by default: no free whitespace, ``", "`` and ``": "`` between
+    items (``disable_any_whitespace``: ``","`` and ``":"``; ``whitespace_pattern``: a regex for
+    the whitespace allowed between tokens instead). Objects of a schema take no properties beyond
+    the listed ones unless the schema says ``additionalProperties`` (OpenAI's strict mode), and
+    numbers come out without exponents; see ``pagedllm.structured.grammar``.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [n for n in _CONSTRAINTS if getattr(self, n) not in (None, False)]
+        if len(given) != 1:
+            what = f"got {', '.join(given)}" if given else "got none"
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(_CONSTRAINTS)} "
+                             f"({what})")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of "
+                                 "non-empty strings")
+            object.__setattr__(self, "choice", list(self.choice))
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured_outputs.json must be a JSON schema: an object or its "
+                             "JSON text")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in _CONSTRAINTS if getattr(self, n) not in (None, False))
+
+    def key(self) -> str:
+        """A canonical text of the constraint and its options (the compiled-grammar cache key)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        if isinstance(self.json, str):
+            try:
+                d["json"] = json.loads(self.json)
+            except ValueError:
+                pass  # reported when compiled
+        return json.dumps(d, sort_keys=True, default=str)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Invalid values raise ``ValueError`` naming the field and range.
@@ -25,7 +92,10 @@ class SamplingParams:
     before penalties and temperature). prompt_logprobs=k does the same for prompt tokens (such
     requests bypass prefix-cache hits, since the logits of cached positions are not recomputed).
     ``output_kind``: see ``RequestOutputKind`` (``LLM.generate`` asks for FINAL_ONLY, the server
-    for DELTA).
+    for DELTA). ``structured_outputs``: constrain the output (``StructuredOutputsParams``).
+    ``logit_bias``: token id -> a value in [-100, 100] added to its logit before sampling
+    (OpenAI's semantics: -100 bans the token in practice, 100 all but forces it).
+    ``allowed_token_ids``: only these tokens may be sampled.
     """
 
     n: int = 1
@@ -47,6 +117,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         stop: object = self.stop
@@ -54,6 +127,17 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if (not isinstance(ids, (list, tuple)) or not ids
+                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids (ints)")
+            self.allowed_token_ids = sorted(set(ids))
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
         self._validate()
 
     def _validate(self) -> None:
@@ -98,7 +182,13 @@ class SamplingParams:
     def token_id_fields(self) -> dict[str, list[int]]:
         """The token ids this request carries, by field name; the engine checks every one against
         the vocabulary at admission (a field that carries ids belongs here)."""
-        return {"stop_token_ids": self.stop_token_ids}
+        return {"stop_token_ids": self.stop_token_ids, "logit_bias": list(self.logit_bias or ()),
+                "allowed_token_ids": self.allowed_token_ids or []}
+
+    @property
+    def masks_tokens(self) -> bool:
+        """Whether sampling this request needs a per-row token mask or bias."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def greedy(self) -> bool:
@@ -114,3 +204,26 @@ class SamplingParams:
 
     def clone(self, **changes: object) -> SamplingParams:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _logit_bias(bias: object) -> dict[int, float]:
+    """{token id: bias}; keys may be ints or their decimal text (JSON object keys)."""
+    if not isinstance(bias, dict):
+        raise ValueError("logit_bias must be a mapping of token id -> bias")
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        try:
+            tid = int(k) if not isinstance(k, bool) else None
+        except (TypeError, ValueError):
+            tid = None
+        if tid is None:
+            raise ValueError(f"logit_bias key {k!r} is not a token id; keys are token ids")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                -LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT):
+            raise ValueError(f"logit_bias[{k}]={v!r} is invalid; must be a number in "
+                             f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+        out[tid] = float(v)
+    return out

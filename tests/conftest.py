@@ -108,3 +108,18 @@ def hf_llama(tiny_models: dict[str, Path]) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def bpe_model(make_model: Any) -> Path:
+    """A random-weight Llama with the shipped model's byte-level BPE tokenizer (4096 tokens), for
+    tests that need text a grammar can constrain (JSON, regexes, tool calls)."""
+    import shutil
+
+    from pagedllm.config import default_model_path
+
+    path = make_model("llama", vocab_size=4096, head_dim=32, eos_token_id=1, bos_token_id=0)
+    src = Path(default_model_path())
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(src / name, path / name)
+    return path

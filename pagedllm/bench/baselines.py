@@ -19,7 +19,17 @@ from typing import Any
 from pagedllm.bench.device import require_device, synchronize
 from pagedllm.bench.workload import BenchRequest
 
-BACKENDS = ("pagedllm", "hf", "contiguous", "vllm")
+BACKENDS = ("pagedllm", "pagedllm-json", "hf", "contiguous", "vllm")
+# ``pagedllm-json``'s schema on every request (``--json-schema`` replaces it): records that the
+# grammar cannot close before max_tokens (minItems), so every request runs as long as on
+# ``pagedllm`` and the two compare per output token
+BENCH_SCHEMA: dict[str, Any] = {
+    "type": "array", "minItems": 1000,
+    "items": {"type": "object", "required": ["id", "name", "ok"], "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+        "name": {"type": "string", "maxLength": 16},
+        "ok": {"type": "boolean"}}},
+}
 
 
 @dataclass
@@ -35,9 +45,11 @@ class RunResult:
 
 
 class EngineBackend:
-    """pagedllm's engine; ``policy`` "paged" (the default scheduler) or "contiguous"."""
+    """pagedllm's engine; ``policy`` "paged" (the default scheduler) or "contiguous";
+    ``json_schema``: every request's output follows it (structured outputs)."""
 
-    def __init__(self, name: str, engine_kwargs: dict[str, Any], policy: str = "paged") -> None:
+    def __init__(self, name: str, engine_kwargs: dict[str, Any], policy: str = "paged",
+                 json_schema: dict[str, Any] | None = None) -> None:
         from pagedllm.bench.contiguous import ContiguousScheduler
         from pagedllm.bench.probe import StepTrace
         from pagedllm.engine import LLMEngine
@@ -49,9 +61,10 @@ class EngineBackend:
         self.trace = StepTrace()  # the engine's step records of the last run
         self.step_prepare_s: list[float] = []
         self.device = str(engine_kwargs.get("device") or "cpu")
+        self.json_schema = json_schema
 
     def run(self, reqs: list[BenchRequest]) -> RunResult:
-        from pagedllm.sampling_params import SamplingParams
+        from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
         eng = self.engine
         eng.kv.reset_prefix_cache()  # a repetition must not hit the previous one's blocks
@@ -60,12 +73,15 @@ class EngineBackend:
         trace.restart()
         self.step_prepare_s.clear()
         preempted_before = eng.num_preemptions
+        so = None if self.json_schema is None else StructuredOutputsParams(json=self.json_schema)
+        mask_s = wait_s = 0.0
         ids = [f"b{i}" for i in range(len(reqs))]
         outputs: dict[str, list[int]] = {}
         synchronize(self.device)
         t0, c0 = time.perf_counter(), time.process_time()
         for rid, r in zip(ids, reqs):
-            params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True,
+                                    structured_outputs=so)
             eng.add_request(rid, {"prompt_token_ids": r.prompt_token_ids}, params)
         while eng.has_unfinished_requests():
             for o in eng.step():
@@ -73,6 +89,8 @@ class EngineBackend:
                     outputs[o.request_id] = list(o.outputs[0].token_ids)
             trace.add(eng.stats)
             self.step_prepare_s.append(eng.stats.prepare_time_s)
+            mask_s += eng.stats.grammar_mask_time_s
+            wait_s += eng.stats.grammar_wait_time_s
         synchronize(self.device)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         outs = [outputs[i] for i in ids]
@@ -82,6 +100,8 @@ class EngineBackend:
         stats["num_preemptions"] = eng.num_preemptions - preempted_before
         stats["num_steps"] = len(trace.t)  # this run's step records (`pagedllm plan` replays these)
         stats["cpu_s"] = cpu  # all of this process's threads (on a shared machine, steadier)
+        if so is not None:  # llguidance's time computing masks, and the part sampling waited for
+            stats["grammar_mask_s"], stats["grammar_wait_s"] = mask_s, wait_s
         return RunResult(self.name, elapsed, len(reqs), sum(r.prompt_len for r in reqs), n_out,
                          n_out, outs, stats)
 
@@ -187,12 +207,15 @@ def parse_backend(spec: str) -> tuple[str, dict[str, Any]]:
     return base, over
 
 
-def make_backend(name: str, engine_kwargs: dict[str, Any], hf_batch_size: int) -> Any:
+def make_backend(name: str, engine_kwargs: dict[str, Any], hf_batch_size: int,
+                 json_schema: dict[str, Any] | None = None) -> Any:
     """Every backend but vllm (``vllm_backend.make_vllm_backend``); ``name`` may be a variant
     (``parse_backend``), whose results carry its full name."""
     from pagedllm.config import default_model_path
 
     base, over = parse_backend(name)
+    if base == "pagedllm-json":  # every request constrained to a JSON schema
+        return EngineBackend(name, engine_kwargs, "paged", json_schema or BENCH_SCHEMA)
     if base in ("pagedllm", "contiguous"):
         return EngineBackend(name, {**engine_kwargs, **over},
                              "paged" if base == "pagedllm" else "contiguous")

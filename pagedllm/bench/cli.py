@@ -100,6 +100,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--reps", type=int, default=3, help="repetitions per backend (the fastest is reported)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="HF generate static batch size")
     p.add_argument("--warmup", type=int, default=4, help="requests in each backend's warm-up run")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="backend pagedllm-json: this JSON schema on every request (default: an "
+                   "array of records that runs to max_tokens; pagedllm,pagedllm-json measures "
+                   "the structured-output overhead per output token)")
     _workload_args(p, 64)
     _common(p)
     EngineArgs.add_cli_args(p)
@@ -119,8 +123,11 @@ def register(subparsers: Any) -> None:
             raise ValueError(f"--backends {a.backends!r}: choose distinct names from {', '.join(BACKENDS)}")
         kw = engine_kwargs(a)
         spec, reqs, _ = build_workload(kw, _spec_kwargs(a, a.seed))
+        schema = None
+        if a.json_schema is not None:
+            schema = json.loads(Path(a.json_schema).read_text())
         res = run_throughput(reqs, spec, kw, names, a.reps, a.hf_batch_size, a.warmup,
-                             a.vllm_python, a.vllm_kwargs)
+                             a.vllm_python, a.vllm_kwargs, schema)
         _show(report_throughput(res, a.output_dir, a.output_json, a.plot))
         return 0
 

@@ -35,12 +35,14 @@ def run_throughput(
     warmup: int = 4,
     vllm_python: str | None = None,
     vllm_kwargs: dict[str, Any] | None = None,
+    json_schema: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``json_schema``: the schema of backend ``pagedllm-json`` (default ``BENCH_SCHEMA``)."""
     built: list[Any] = []
     try:
         for b in backends:
             built.append(make_vllm_backend(engine_kwargs, vllm_python, vllm_kwargs) if b == "vllm"
-                         else make_backend(b, engine_kwargs, hf_batch_size))
+                         else make_backend(b, engine_kwargs, hf_batch_size, json_schema))
         warm = (lambda b: b.run(reqs[:warmup])) if warmup else None
         runs = dict(zip(backends, interleaved(built, lambda b: b.run(reqs), reps, warm)))
     finally:  # a subprocess backend (vllm) goes, with its children, even on an interrupt
@@ -120,6 +122,10 @@ def report_throughput(res: dict[str, Any], output_dir: Path, output_json: Path |
               f"{cpu}")
     for pair, m in res["greedy_output_agreement"].items():
         print(f"greedy outputs identical {pair}: {m:.0%}")
+    for r in res["results"]:
+        if "grammar_mask_s" in r:
+            print(f"{r['backend']}: grammar masks {r['grammar_mask_s']:.3f} s computed, "
+                  f"{r['grammar_wait_s']:.3f} s of it waited for")
     paths = [write_json(output_json or output_dir / "throughput.json", res)]
     if make_plots:
         rows = res["results"]

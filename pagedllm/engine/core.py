@@ -31,6 +31,7 @@ from pagedllm.sched.build import build_scheduler
 from pagedllm.sched.memory import KVMemoryPolicy
 from pagedllm.sched.stats import StepStats
 from pagedllm.spec_decode.decoder import SpecDecoder, build_spec_decoder
+from pagedllm.structured.manager import StructuredOutputManager
 from pagedllm.tokenizer import eos_token_ids, get_tokenizer
 
 logger = init_logger(__name__)
@@ -67,6 +68,8 @@ class LLMEngine:
         self.executor: Executor = executor
         self.input = InputProcessor(config, self.tokenizer, self.eos_token_ids)
         self.output = OutputProcessor(self.tokenizer)
+        self.structured = StructuredOutputManager(self.tokenizer, config.model.vocab_size,
+                                                  self.eos_token_ids)
         self.beams = BeamSearch(self.scheduler, self.tokenizer, config.scheduler.max_model_len)
         self.spec: SpecDecoder | None = build_spec_decoder(config, self.tokenizer)
         self.stats = self.current_stats()  # the last step's record (StepStats)
@@ -101,12 +104,15 @@ class LLMEngine:
         text, ids = self.input.tokenize(prompt)
         self.scheduler.check_fits(len(ids))
         self.input.check_params(params, len(ids))
+        self.structured.check(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = self.input.fan_out(request_id, ids, params, priority, arrival)
         self.output.add(request_id, text, ids, children, arrival)
         try:  # n > 1: children fork the first child's prompt blocks (copy-on-write)
+            self.structured.add(children)
             self.scheduler.add_request(children[0], forks=children[1:])
         except Exception:
+            self.structured.release([c.request_id for c in children])
             self.output.remove(request_id)
             raise
 
@@ -166,6 +172,7 @@ class LLMEngine:
             self.spec.propose(self.scheduler.running, self.output.owns, self.scheduler.num_steps + 1)
         sched = self.scheduler.schedule()
         stats = StepStats.open(self.scheduler, sched)
+        sched.token_masks = self.structured.masks(sched)  # computed while the model runs
         try:
             result = self.executor.execute(sched)
         except Exception as e:  # noqa: BLE001 - a bad request fails alone, else re-raised
@@ -175,6 +182,8 @@ class LLMEngine:
             self.scheduler.update(sched, self.beams.take(sched, result.sampled), accepted)
             if self.spec is not None:
                 stats.spec = self.spec.record(sched, accepted, self.scheduler.num_steps)
+            for rid in self.structured.advance(sched):  # a complete grammar ends its request
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
             outputs = self._process_outputs(sched, result, stats)
         upkeep = self.scheduler.end_step()  # compaction, or shrinking an idle pool: KV only
         if upkeep is not None:
@@ -197,6 +206,10 @@ class LLMEngine:
     def _process_outputs(self, sched: SchedulerOutput, result: RunnerOutput,
                          stats: StepStats) -> list[RequestOutput]:
         stats.prepare_time_s = result.prepare_s
+        if sched.token_masks is not None:
+            m = sched.token_masks
+            stats.num_structured_rows = len(m.rows)
+            stats.grammar_mask_time_s, stats.grammar_wait_time_s = m.compute_s, m.wait_s
         done = self.output.process(sched.scheduled, result.sampled, result.prompt_logprobs, stats,
                                    result.accepted)
         for rid in done.stopped:
@@ -237,11 +250,17 @@ class LLMEngine:
             self._release(seqs)
         return outputs
 
+    def _release(self, seq_ids: list[str]) -> None:
+        """Forget finished sequences' per-request state (sampling, grammars)."""
+        self.executor.release(seq_ids)
+        self.structured.release(seq_ids)
+
     # -- introspection ----------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (nothing to do in one process). Garbage collection and
         interpreter exit do it too; the engine is unusable afterwards."""
         self._closing.close()
+        self.structured.shutdown()
         self.executor.shutdown()
 
     def check_integrity(self) -> None:

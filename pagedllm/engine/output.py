@@ -152,7 +152,7 @@ class OutputProcessor:
                 stats.num_generation_tokens += 1
                 self._record_logprobs(req, t)
                 last = j == len(toks) - 1
-                stop_token = last and req.is_finished and req.status == RequestStatus.FINISHED_STOPPED
+                stop_token = last and req.stopped_on_token  # not a stop string or a grammar
                 if not stop_token or req.params.include_stop_str_in_output:
                     seq.detok.add_tokens([t.token_id])
                 if seq.detok.stopped_by is not None and not req.is_finished:

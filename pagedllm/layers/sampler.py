@@ -1,7 +1,8 @@
 """Batched sampling: every per-request parameter lives in a tensor row.
 
 Pipeline over logits [B, V] (fp32):
-  raw log-softmax (for logprobs) -> penalties -> min_tokens bans -> greedy argmax
+  raw log-softmax (for logprobs) -> penalties -> logit_bias -> min_tokens bans
+  -> token masks (grammars, allowed_token_ids; only the rows that have one) -> greedy argmax
   -> temperature -> top-k / top-p / min-p -> exponential-race sampling.
 
 Sampling uses the "exponential race" (argmax of p / E with E ~ Exp(1)), which is equivalent to
@@ -32,6 +33,11 @@ class SamplingMetadata:
     prompt_mask: torch.Tensor | None = None  # [B, V] bool: token occurs in the prompt
     # min_tokens: (rows, token ids), two equal-length int64 tensors; logits[rows, ids] = -inf
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    # logit_bias: (rows, token ids, values), three equal-length tensors; added to the logits
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # token masks: (rows [R] int64, bits [R, ceil(V/32)] int32 or int64 words: bit t % 32 of
+    # word t // 32 set = token t allowed); the other rows are not masked
+    token_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None
 
 
@@ -61,6 +67,18 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return logits
 
 
+def unpack_token_mask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Bitmask words [R, W] -> bool [R, vocab] (True = allowed)."""
+    shifts = torch.arange(32, device=bits.device, dtype=bits.dtype)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+
+
+def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """-inf where ``rows``' masks forbid a token; the other rows are untouched."""
+    allowed = unpack_token_mask(bits, logits.shape[-1])
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
+
+
 def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.min_p is not None:
         probs = logits.softmax(-1)
@@ -88,8 +106,12 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     logits = logits.float()
     raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
     logits = apply_penalties(logits, md)
+    if md.bias is not None:
+        logits = logits.index_put(md.bias[:2], md.bias[2], accumulate=True)
     if md.banned is not None:
         logits = logits.index_put(md.banned, torch.full((), float("-inf"), device=logits.device))
+    if md.token_mask is not None:
+        logits = apply_token_mask(logits, *md.token_mask)
     greedy_ids = logits.argmax(-1)
     if md.all_greedy:
         ids = greedy_ids

@@ -28,6 +28,7 @@ from pagedllm.layers.sampler import SamplingMetadata, logprob_stats, sample
 from pagedllm.logging_utils import init_logger
 from pagedllm.models.loader import load_model
 from pagedllm.runner.batch import HostBatch, Uploader, build_host_batch, fetch
+from pagedllm.runner.constraints import TokenConstraints
 from pagedllm.runner.cuda_graph import DecodeGraphs, capture_sizes
 from pagedllm.runner.kv_cache import KVCache
 from pagedllm.runner.memory import MemoryProfile, MemoryProfiler
@@ -114,6 +115,7 @@ class ModelRunner:
             )
         self.generators: dict[str, torch.Generator] = {}
         self.penalty_counts = PenaltyCounts(self.vocab_size, self.uploader)
+        self.constraints = TokenConstraints(self.vocab_size, self.uploader)
         torch.manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None
         self.memory_profile: MemoryProfile | None = None
@@ -334,7 +336,12 @@ class ModelRunner:
                                     q_start[i + 1])], torch.long)]
             logits = self.model.compute_logits(last)  # [rows, V]
             spec = verify.SeededRewind(sub, self.generators)
-            so = sample(logits, self._sampling_metadata(sub))
+            md = self._sampling_metadata(sub)
+            # a constrained request verifies nothing (decoder.can_speculate): one row each
+            self.constraints.add(md, [i for i in sampling
+                                      for _ in range(1 + len(sched[i].spec_token_ids))],
+                                 sub, out.token_masks)
+            so = sample(logits, md)
             fetched = fetch([so.token_ids, so.logprobs, so.ranks, so.topk_ids, so.topk_logprobs])
             ids, lps, ranks, tk_ids, tk_lps = (None if t is None else t.tolist() for t in fetched)
             assert ids is not None
@@ -394,3 +401,4 @@ class ModelRunner:
         for rid in request_ids:
             self.generators.pop(rid, None)
             self.penalty_counts.release(rid)
+            self.constraints.release(rid)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedllm.request import Request
+
+if TYPE_CHECKING:
+    from pagedllm.structured.masks import TokenMasks
 
 
 @dataclass
@@ -70,11 +74,14 @@ class KVUpdate:
 @dataclass
 class SchedulerOutput:
     """One step's work: the KV changes (``kv``, applied first) and the forward of ``scheduled``.
-    A step with nothing scheduled only changes the KV tensors (compaction, shrinking a pool)."""
+    A step with nothing scheduled only changes the KV tensors (compaction, shrinking a pool).
+    ``token_masks``: the grammar masks of the structured rows, set by the engine (being computed
+    while the forward runs; the runner waits for them before sampling)."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     kv: KVUpdate = field(default_factory=KVUpdate)
+    token_masks: TokenMasks | None = None
 
     @property
     def swap_out(self) -> list[tuple[int, int]]:

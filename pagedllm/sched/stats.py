@@ -98,6 +98,9 @@ class StepStats:
     # speculative decoding: this step's verifications, and the totals since start-up
     spec: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
     spec_total: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
+    num_structured_rows: int = 0  # rows sampled under a grammar mask
+    grammar_mask_time_s: float = 0.0  # llguidance computing them (overlapping the forward)
+    grammar_wait_time_s: float = 0.0  # of the step time: sampling waiting for the masks
     # -- request events of the step (the engine's output processing) --------------------------
     num_prompt_tokens: int = 0  # prompts of the requests that produced their first token
     num_generation_tokens: int = 0

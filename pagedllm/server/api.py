@@ -42,12 +42,14 @@ from pagedllm.server.protocol import (
     ModelCard,
     ModelList,
 )
+from pagedllm.server.fields import check_extras, structured_outputs
 from pagedllm.server.responses import (
     _SSE_HEADERS,
     ChatChunks,
     CompletionChunks,
     _chat_logprobs,
     _completion_logprobs,
+    _prompt_logprobs,
     _usage,
     stream_deltas,
 )
@@ -167,13 +169,17 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
         body = await _read_json(request, srv.limits.max_request_bytes)
         req = _validate(CompletionRequest, body)
         srv.check_model(req.model)
+        check_extras(req)
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported", param="echo")
-        params = srv.sampling_params(req, req.max_tokens, "max_tokens", req.logprobs, "logprobs")
+        _no_streamed_prompt_logprobs(req)
+        so, so_field = structured_outputs(req)
+        params = srv.sampling_params(req, req.max_tokens, "max_tokens", req.logprobs, "logprobs", so)
+        await srv.check_grammar(so, so_field)
         texts, prompts = _completion_prompts(srv, req.prompt, Budget(req.max_tokens))
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream, ids = await srv.submit(rid, prompts, params, req, "prompt")
@@ -199,7 +205,8 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
                     lp = _completion_logprobs(c, 0, len(c.token_ids), req.logprobs, 0)
                 text = (texts[p] if req.echo else "") + c.text
                 choices.append(CompletionChoice(index=p * req.n + c.index, text=text, logprobs=lp,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                prompt_logprobs=_prompt_logprobs(out)))
         resp = CompletionResponse(id=rid, model=srv.model_name, choices=choices,
                                   usage=_usage(prompt_tokens, completion_tokens))
         return Response(resp.model_dump_json(), media_type="application/json")
@@ -209,16 +216,18 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
         body = await _read_json(request, srv.limits.max_request_bytes)
         req = _validate(ChatCompletionRequest, body)
         srv.check_model(req.model)
+        check_extras(req)
         if req.tools:
             raise APIError(400, "tools are not supported", param="tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format type 'text' is supported", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        _no_streamed_prompt_logprobs(req)
         max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = srv.sampling_params(req, max_tokens, max_field, k, "top_logprobs")
+        so, so_field = structured_outputs(req)
+        params = srv.sampling_params(req, max_tokens, max_field, k, "top_logprobs", so)
+        await srv.check_grammar(so, so_field)
         try:
             messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                         for m in req.messages]
@@ -242,10 +251,17 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
             choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=lp,
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         usage = _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
-        resp = ChatCompletionResponse(id=rid, model=srv.model_name, choices=choices, usage=usage)
+        resp = ChatCompletionResponse(id=rid, model=srv.model_name, choices=choices, usage=usage,
+                                      prompt_logprobs=_prompt_logprobs(out))
         return Response(resp.model_dump_json(), media_type="application/json")
 
     app.include_router(v1)
     if inspector is not None:
         add_inspector_routes(app, inspector, srv.check_auth)
     return app
+
+
+def _no_streamed_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.stream and req.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs is not available when streaming; send stream=false",
+                       param="prompt_logprobs")

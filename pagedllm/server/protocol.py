@@ -1,10 +1,13 @@
 """OpenAI-compatible request and response models (pydantic 2).
 
 Requests are validated in strict mode: ``"1"`` is not an integer and ``true`` is not a number, so
-a wrong type is a 400 naming the field rather than a silent coercion. Unknown fields are ignored
-(clients send vendor extras). Range checks live in ``SamplingParams`` (one place, one message per
-field); the few checks here are the ones ``SamplingParams`` cannot know about (types, shapes,
-sizes of lists).
+a wrong type is a 400 naming the field rather than a silent coercion. Nothing is silently ignored:
+every field declared here is honoured, and the top-level request models keep the fields they do
+not declare (``model_extra``) for ``server.fields`` to judge: a few harmless OpenAI no-ops
+(``user``, ``metadata``, ...) and vLLM fields sent at their default are accepted, anything else
+is a 400 naming it. Nested models forbid unknown fields outright. Range checks live in
+``SamplingParams`` (one place, one message per field); the few checks here are the ones
+``SamplingParams`` cannot know about (types, shapes, sizes of lists).
 """
 
 from __future__ import annotations
@@ -19,15 +22,42 @@ MAX_STOP_CHARS = 256
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(_Strict):
+    """vLLM's ``structured_outputs`` request field (``pagedllm.StructuredOutputsParams``)."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
 class _SamplingFields(_Strict):
     """Fields shared by completions and chat completions (OpenAI names plus vLLM extras)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")  # judged by server.fields
 
     model: str | None = None
     n: int = 1
@@ -51,6 +81,17 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and older guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -113,7 +154,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
 
@@ -133,12 +173,24 @@ class CompletionLogProbs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one prompt position's entry (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -184,6 +236,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -30,6 +30,8 @@ from pagedllm.server.protocol import (
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
     UsageInfo,
 )
@@ -89,6 +91,15 @@ def _chat_logprobs(c: CompletionOutput, start: int, end: int, k: int) -> ChatLog
         content.append(ChatTokenLogprob(token=tok, logprob=_lp(chosen.logprob) if chosen else LOGPROB_FLOOR,
                                         bytes=list(tok.encode()), top_logprobs=top))
     return ChatLogprobs(content=content)
+
+
+def _prompt_logprobs(out: RequestOutput) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs``: per prompt position, token id -> logprob, rank, text."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if pos is None else {
+        str(t): PromptLogprob(logprob=_lp(x.logprob), rank=x.rank, decoded_token=x.decoded_token)
+        for t, x in pos.items()} for pos in out.prompt_logprobs]
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:

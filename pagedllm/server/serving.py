@@ -29,7 +29,7 @@ from pagedllm.config import default_model_path
 from pagedllm.engine import LLMEngine
 from pagedllm.logging_utils import init_logger
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedllm.server.args import ServerArgs
 from pagedllm.server.async_engine import (
     AsyncEngine,
@@ -180,7 +180,7 @@ def _validate(model: type[M], body: dict[str, Any]) -> M:
 
 
 def _field_of(message: str) -> str | None:
-    m = re.match(r"([a-z_]+)=", message)
+    m = re.match(r"([a-z_]+)(=|\[| )", message)
     return m.group(1) if m else None
 
 
@@ -223,7 +223,8 @@ class _Server:
                            param="model", code="model_not_found")
 
     def sampling_params(self, req: _SamplingFields, max_tokens: int | None, max_tokens_field: str,
-                        logprobs: int | None, logprobs_field: str) -> SamplingParams:
+                        logprobs: int | None, logprobs_field: str,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         lim = self.limits
         if req.n > lim.max_n:
             raise APIError(400, f"n={req.n} exceeds this server's limit of {lim.max_n} (--max-n)", param="n")
@@ -238,8 +239,6 @@ class _Server:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             _nonfinite(name, getattr(req, name))
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         top_k = req.top_k
         if top_k is not None and top_k >= self.vocab_size:
             top_k = 0  # keeping the whole vocabulary is no top-k at all
@@ -259,6 +258,10 @@ class _Server:
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs,
+            logit_bias=req.logit_bias or None,
+            allowed_token_ids=req.allowed_token_ids,
+            structured_outputs=structured,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA,  # streamed as they come, or added up by collect
@@ -274,7 +277,22 @@ class _Server:
             if param == "logprobs":
                 param = logprobs_field
                 msg = msg.replace("logprobs=", f"{logprobs_field}=", 1)
-            raise APIError(400, msg, param=param) from None
+            raise APIError(400, msg, param=param if param in type(req).model_fields else None) from None
+
+    async def check_grammar(self, so: StructuredOutputsParams | None, field: str | None) -> None:
+        """Compile the request's grammar off the engine thread (a large schema takes a while;
+        the engine then finds it cached): a grammar that does not compile is a 400 naming
+        ``field``."""
+        if so is None:
+            return
+        from pagedllm.structured import GrammarError
+
+        try:
+            await asyncio.to_thread(self.engine.structured.compiler.compile, so)
+        except GrammarError as e:
+            where = field if field != "structured_outputs" else f"structured_outputs.{e.field}"
+            raise APIError(400, f"{where}: {e.problem}", param=field,
+                           code="invalid_grammar") from None
 
     # -- submission --------------------------------------------------------------------------------
     async def submit(self, base_id: str, prompts: list[PromptSource], params: SamplingParams,

@@ -54,7 +54,9 @@ class NgramProposer:
 def can_speculate(req: Request) -> bool:
     """Whether ``req``'s sampling lets its next tokens be verified together (module docstring)."""
     p = req.params
-    return not p.uses_penalties and req.num_output_tokens >= p.min_tokens
+    # a grammar's mask holds for its next token only
+    return (not p.uses_penalties and req.num_output_tokens >= p.min_tokens
+            and p.structured_outputs is None)
 
 
 class SpecDecoder:

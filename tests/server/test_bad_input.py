@@ -91,6 +91,13 @@ BAD_COMPLETIONS: list[Case] = [
      "outside"),
     ({"prompt": "t5", "logit_bias": {"99999": 1.0}}, 400, "logit_bias", "logit_bias"),
     ({"prompt": "t5", "logit_bias": {"-3": 1.0}}, 400, "logit_bias", "logit_bias"),
+    ({"prompt": "t5", "logit_bias": {"t5": 1.0}}, 400, "logit_bias", "not a token id"),
+    ({"prompt": "t5", "logit_bias": {"5": 101.0}}, 400, "logit_bias", "[-100, 100]"),
+    ({"prompt": "t5", "allowed_token_ids": [5, 99999]}, 400, "allowed_token_ids", "outside"),
+    # fields this server does not honour: named, never silently ignored
+    ({"prompt": "t5", "no_such_field": 1}, 400, "no_such_field", "no_such_field"),
+    ({"prompt": "t5", "use_beam_search": True}, 400, "use_beam_search", "LLM.beam_search"),
+    ({"prompt": "t5", "stream_options": {"include_usage": True, "x": 1}}, 400, "stream_options", "x"),
     # the context: prompt + max_tokens must fit max_model_len=128 (vLLM's message)
     ({"prompt": [5] * 100, "max_tokens": 50}, 400, "max_tokens",
      "This model's maximum context length is 128 tokens. However, you requested 50 output tokens "
@@ -127,6 +134,10 @@ BAD_CHATS: list[Case] = [
      "max_completion_tokens", "maximum context length is 128 tokens"),
     ({"messages": [{"role": "user", "content": U * 90}], "max_tokens": 60}, 400, "max_tokens",
      "maximum context length is 128 tokens"),
+    ({"messages": [{"role": "user", "content": "t5"}], "tools": [{"type": "function"}]}, 400, "tools",
+     "function"),
+    ({"messages": [{"role": "user", "content": "t5"}], "guided_regex": "a(b"}, 400, "guided_regex",
+     "unclosed group"),
     ({"messages": [{"role": "user", "content": "t5"}], "model": "gpt-4"}, 404, "model", "'tiny'"),
 ]
 

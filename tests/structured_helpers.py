@@ -1,0 +1,58 @@
+"""A JSON schema with nested objects, arrays, enums and required fields, bounded the way a
+client writes one for a small model (maxLength, maxItems, minimum / maximum), and its check."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]},
+                 "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10},
+                           "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
+            "required": ["city", "zip"],
+        },
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "address", "active"],
+}
+SMALL_SCHEMA: dict[str, Any] = {  # ~20 tokens: for tests about the engine more than the schema
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "kind": {"type": "string", "enum": ["a", "b", "c"]},
+                   "note": {"type": "string", "maxLength": 6}},
+    "required": ["id", "kind", "note"],
+}
+MAX_TOKENS = 150  # the schema's longest object is well under this
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"]}}},
+    {"type": "function", "function": {
+        "name": "add", "description": "Add two integers",
+        "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+            "b": {"type": "integer", "minimum": -1000, "maximum": 1000}},
+            "required": ["a", "b"]}}},
+]
+
+
+def check_json(text: str, schema: dict[str, Any] = SCHEMA) -> Any:
+    """The parsed value; fails the test if the text is not JSON valid against ``schema``."""
+    value = json.loads(text)
+    jsonschema.validate(value, schema)
+    return value
