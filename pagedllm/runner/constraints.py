@@ -53,9 +53,9 @@ class TokenConstraints:
             md.bias = (r, t, self.up.tensor(bias_vals, md.temperature.dtype))
         if row_mask:
             order = sorted(row_mask)
-            r, bits = self.up.upload([np.asarray(order, dtype=np.int64),
-                                      np.stack([row_mask[j] for j in order])])
-            md.token_mask = (r, bits)
+            r, words = self.up.upload([np.asarray(order, dtype=np.int64),
+                                       np.stack([row_mask[j] for j in order])])
+            md.token_mask = (r, words)
 
     def _allowed_mask(self, request_id: str, ids: list[int]) -> np.ndarray:
         m = self._allowed.get(request_id)

@@ -30,6 +30,7 @@ from pagedllm.engine import LLMEngine
 from pagedllm.logging_utils import init_logger
 from pagedllm.server.inspector import KVInspector
 from pagedllm.server.inspector import add_routes as add_inspector_routes
+from pagedllm.server.fields import check_extras, structured_outputs
 from pagedllm.server.prompts import Budget, _chat_prompt, _completion_prompts
 from pagedllm.server.protocol import (
     ChatChoice,
@@ -42,7 +43,6 @@ from pagedllm.server.protocol import (
     ModelCard,
     ModelList,
 )
-from pagedllm.server.fields import check_extras, structured_outputs
 from pagedllm.server.responses import (
     _SSE_HEADERS,
     ChatChunks,

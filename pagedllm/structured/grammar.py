@@ -24,7 +24,7 @@ import copy
 import json
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pagedllm.sampling_params import StructuredOutputsParams
 
@@ -100,9 +100,9 @@ def to_grammar(so: StructuredOutputsParams) -> str:
                 raise GrammarError(kind, "a JSON schema is an object (or true / false)")
             if isinstance(schema, dict):
                 schema = tighten_schema(schema, not so.disable_additional_properties)
-            return str(LLMatcher.grammar_from_json_schema(schema, defaults=_json_options(so)))
+            return str(LLMatcher.grammar_from_json_schema(schema, defaults=cast(Any, _json_options(so))))
         if kind == "regex":
-            return str(LLMatcher.grammar_from_regex(so.regex))
+            return str(LLMatcher.grammar_from_regex(so.regex or ""))
         if kind == "choice":
             assert so.choice is not None
             return str(LLMatcher.grammar_from_lark(
@@ -177,6 +177,6 @@ def _ll_tokenizer(tokenizer: PreTrainedTokenizerBase, vocab_size: int,
     import llguidance.hf
 
     try:
-        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos or None)
+        return llguidance.hf.from_tokenizer(cast(Any, tokenizer), n_vocab=vocab_size, eos_token=eos or None)
     except ValueError as e:  # a slow (Python) tokenizer
         raise ValueError(f"structured outputs need a fast (tokenizer.json) tokenizer: {e}") from None
