@@ -62,6 +62,13 @@ from pagedllm.server.serving import (
     _validate,
     served_model_name,
 )
+from pagedllm.server.tools import (
+    PARSERS,
+    messages_for_template,
+    parse_tool_calls,
+    tool_finish_reason,
+    tool_plan,
+)
 
 __all__ = ["APIError", "ServerLimits", "build_app"]
 
@@ -71,13 +78,17 @@ logger = init_logger(__name__)
 def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str | None = None,
               limits: ServerLimits | None = None, batch_wait_ms: float = 0.0,
               disable_docs: bool = False, kv_inspector: bool = False,
-              kv_inspector_show_text: bool = False) -> FastAPI:
+              kv_inspector_show_text: bool = False,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The app for one engine. The engine thread starts and stops with the app's lifespan.
     ``model_name``: the served name (default: the model path as given; ``default_model`` for the
     shipped model). The docs pages (/docs, /redoc, /openapi.json) need the API key when there is
     one, and are not served at all with ``disable_docs``; /health and /metrics stay open.
     ``kv_inspector``: the live KV page at /kv (``pagedllm.server.inspector``; its data behind the
-    key)."""
+    key).
+    ``tool_call_parser``: see ``server.tools.PARSERS`` (tool_choice 'auto' needs one)."""
+    if tool_call_parser not in (None, *PARSERS):
+        raise ValueError(f"--tool-call-parser {tool_call_parser!r}: choose {', '.join(PARSERS)}")
     srv = _Server(engine, model_name or served_model_name(engine.config.model.model), api_key,
                   limits or ServerLimits(), batch_wait_ms)
     inspector = KVInspector(srv.async_engine, kv_inspector_show_text) if kv_inspector else None
@@ -217,8 +228,6 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
         req = _validate(ChatCompletionRequest, body)
         srv.check_model(req.model)
         check_extras(req)
-        if req.tools:
-            raise APIError(400, "tools are not supported", param="tools")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         _no_streamed_prompt_logprobs(req)
@@ -226,19 +235,25 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         k = (req.top_logprobs or 0) if req.logprobs else None
         so, so_field = structured_outputs(req)
+        plan = tool_plan(req, tool_call_parser)
+        if plan is not None and plan.constraint is not None:
+            if so is not None:
+                raise APIError(400, f"{so_field} and tool_choice {plan.mode!r} both constrain the "
+                               "output; send one", param=so_field)
+            so, so_field = plan.constraint, "tools"
         params = srv.sampling_params(req, max_tokens, max_field, k, "top_logprobs", so)
         await srv.check_grammar(so, so_field)
         try:
-            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                        for m in req.messages]
+            messages = messages_for_template(req.messages)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        prompt = _chat_prompt(srv, messages, req.add_generation_prompt, Budget(max_tokens, max_field))
+        prompt = _chat_prompt(srv, messages, req.add_generation_prompt, Budget(max_tokens, max_field),
+                              plan.tools if plan is not None else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream, ids = await srv.submit(rid, [prompt], params, req, "messages")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen = stream_deltas(srv, stream, ChatChunks(srv, rid, req.n, k), include_usage)
+            gen = stream_deltas(srv, stream, ChatChunks(srv, rid, req.n, k, plan), include_usage)
             return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
             final = await srv.collect(request, stream, rid)
@@ -248,8 +263,11 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
         choices = []
         for c in out.outputs:
             lp = _chat_logprobs(c, 0, len(c.token_ids), k) if k is not None else None
-            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=lp,
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            content, calls = (c.text, []) if plan is None else parse_tool_calls(plan, c.text)
+            choices.append(ChatChoice(
+                index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+                logprobs=lp, finish_reason=tool_finish_reason(plan, c.finish_reason, calls),
+                stop_reason=c.stop_reason))
         usage = _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
         resp = ChatCompletionResponse(id=rid, model=srv.model_name, choices=choices, usage=usage,
                                       prompt_logprobs=_prompt_logprobs(out))

@@ -43,6 +43,10 @@ class ServerArgs:
         "--api-key)", group=S)
     kv_inspector_show_text: bool = setting(
         False, "let the /kv page show prompt and output text", group=S)
+    tool_call_parser: str | None = setting(
+        None, "read tool calls out of the text for tool_choice 'auto': hermes "
+        "(<tool_call>{json}</tool_call>) or llama3_json", group=S,
+        choices=("hermes", "llama3_json"))
     log_level: str = setting("info", "uvicorn log level", group=S,
                              choices=("critical", "error", "warning", "info", "debug"))
 

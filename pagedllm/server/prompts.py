@@ -6,7 +6,7 @@ context."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pagedllm.engine import LLMEngine, PromptType
 from pagedllm.server.async_engine import PromptSource
@@ -82,13 +82,14 @@ def _ids_prompt(srv: _Server, ids: list[int], budget: Budget) -> PromptSource:
 
 
 def _chat_prompt(srv: _Server, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                 budget: Budget) -> PromptSource:
+                 budget: Budget, tools: list[dict[str, Any]] | None = None) -> PromptSource:
     def prepare(engine: LLMEngine) -> PromptType:
         tok = engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat_template; use /v1/completions")
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = tok.apply_chat_template(messages, tools=cast(Any, tools), tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception) are bad input
             raise ValueError(f"the chat template rejected these messages: {e}") from None
         ids = tok.encode(text, add_special_tokens=False)

@@ -36,6 +36,7 @@ from pagedllm.server.protocol import (
     UsageInfo,
 )
 from pagedllm.server.serving import APIError, _Server, engine_failure
+from pagedllm.server.tools import ToolPlan, ToolStream, tool_finish_reason
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 
@@ -162,9 +163,13 @@ class CompletionChunks(_Chunks):
 
 
 class ChatChunks(_Chunks):
-    def __init__(self, srv: _Server, rid: str, n: int, k: int | None) -> None:
+    """``plan``: the request's tool calling (``server.tools``), read from each choice's text."""
+
+    def __init__(self, srv: _Server, rid: str, n: int, k: int | None,
+                 plan: ToolPlan | None = None) -> None:
         super().__init__(srv, rid)
-        self.n, self.k = n, k
+        self.n, self.k, self.plan = n, k, plan
+        self.tools: dict[int, ToolStream] = {}
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> BaseModel:
         return ChatCompletionChunk(id=self.rid, created=self.created, model=self.srv.model_name,
@@ -177,8 +182,15 @@ class ChatChunks(_Chunks):
     def choice(self, out: RequestOutput, c: CompletionOutput, offset: int,
                first: bool) -> BaseModel:
         lp = _chat_logprobs(c, 0, len(c.token_ids), self.k) if self.k is not None else None
-        return self._chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text),
-                                            logprobs=lp, finish_reason=c.finish_reason)])
+        if self.plan is None:
+            delta, reason = DeltaMessage(content=c.text), c.finish_reason
+        else:
+            ts = self.tools.setdefault(c.index, ToolStream(self.plan))
+            content, calls = ts.feed(c.text, c.finish_reason is not None)
+            delta = DeltaMessage(content=content, tool_calls=calls)
+            reason = tool_finish_reason(self.plan, c.finish_reason, [None] * ts.calls)
+        return self._chunk([ChatChunkChoice(index=c.index, delta=delta, logprobs=lp,
+                                            finish_reason=reason)])
 
     def usage(self, usage: UsageInfo) -> BaseModel:
         return self._chunk([], usage)

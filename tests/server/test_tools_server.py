@@ -1,0 +1,168 @@
+"""Tool calling through the real server and the official ``openai`` client on a random-weight
+model whose chat template renders tools and tool calls: named and ``required`` choices return
+``tool_calls`` whose arguments validate against the tool's parameters (sampled at temperature 1),
+streamed deltas reassemble to the same, ``auto`` reads the hermes text, the history takes
+assistant ``tool_calls`` and ``tool`` messages, and bad choices are 400s."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from server_helpers import API_KEY, ServerThread
+from structured_helpers import TOOLS
+
+TEMPLATE = (
+    "{% if tools %}<|system|>\nTools:{% for t in tools %} {{ t.function.name }}"
+    "{{ t.function.parameters | tojson }}{% endfor %}<|eos|>\n{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
+    "</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|eos|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+MESSAGES = [{"role": "user", "content": "What is the weather in Oslo, and what is 2 + 3?"}]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def server(bpe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    from pagedllm.engine import LLMEngine
+    from pagedllm.server.api import build_app
+
+    path = tmp_path_factory.mktemp("tool_model")
+    shutil.copytree(bpe_model, path, dirs_exist_ok=True)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
+    engine = LLMEngine.from_args(model=str(path), num_kv_blocks=512, max_num_seqs=16)
+    with ServerThread(build_app(engine, model_name="m", api_key=API_KEY,
+                                tool_call_parser="hermes")) as s:
+        yield s
+
+
+def _client(s: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.base_url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def _chat(s: ServerThread, **kw: Any) -> Any:
+    kw.setdefault("messages", MESSAGES)
+    kw.setdefault("max_tokens", 120)
+    return _client(s).chat.completions.create(model="m", tools=TOOLS, **kw)
+
+
+def _check_calls(calls: list[Any]) -> list[tuple[str, Any]]:
+    out = []
+    for c in calls:
+        args = json.loads(c.function.arguments)
+        jsonschema.validate(args, PARAMS[c.function.name])
+        out.append((c.function.name, args))
+    return out
+
+
+def _streamed(s: ServerThread, **kw: Any) -> tuple[str, list[tuple[str, Any]], str | None]:
+    content, calls, reason = "", {}, None
+    for chunk in _chat(s, stream=True, **kw):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for d in ch.delta.tool_calls or []:
+                slot = calls.setdefault(d.index, {"name": "", "args": "", "id": None})
+                slot["id"] = slot["id"] or d.id
+                slot["name"] += (d.function.name or "") if d.function else ""
+                slot["args"] += (d.function.arguments or "") if d.function else ""
+            reason = ch.finish_reason or reason
+    assert all(v["id"] for v in calls.values())
+    return content, [(calls[i]["name"], json.loads(calls[i]["args"])) for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("name", ["get_weather", "add"])
+def test_named_tool_choice(server: ServerThread, name: str) -> None:
+    choice = {"type": "function", "function": {"name": name}}
+    for seed in range(5):
+        r = _chat(server, temperature=1.0, seed=seed, tool_choice=choice)
+        m = r.choices[0].message
+        assert m.content is None and [c[0] for c in _check_calls(m.tool_calls)] == [name]
+        assert r.choices[0].finish_reason == "stop"
+    r = _chat(server, temperature=1.0, seed=3, tool_choice=choice)
+    content, calls, reason = _streamed(server, temperature=1.0, seed=3, tool_choice=choice)
+    assert content == "" and calls == _check_calls(r.choices[0].message.tool_calls)
+    assert reason == "stop"
+    server.wait_idle()
+
+
+def test_required_tool_choice(server: ServerThread) -> None:
+    """parallel_tool_calls=false: exactly one call. Otherwise the array has no bound (a random
+    model may run out of max_tokens: then no call is read and the text is the content)."""
+    names = set()
+    for seed in range(6):
+        kw = dict(temperature=1.0, seed=seed, tool_choice="required", parallel_tool_calls=False)
+        r = _chat(server, **kw)
+        c = r.choices[0]
+        calls = _check_calls(c.message.tool_calls)
+        assert len(calls) == 1 and c.finish_reason == "tool_calls" and c.message.content is None
+        names |= {n for n, _ in calls}
+        if seed == 0:
+            assert _streamed(server, **kw) == ("", calls, "tool_calls")
+    assert names <= set(PARAMS)
+    many = 0
+    for seed in range(4):
+        c = _chat(server, temperature=1.0, seed=seed, max_tokens=400, tool_choice="required").choices[0]
+        if c.finish_reason == "length":
+            assert c.message.tool_calls == [] and c.message.content.startswith("[")
+        else:
+            many = max(many, len(_check_calls(c.message.tool_calls)))
+            assert c.finish_reason == "tool_calls"
+    assert many > 1, "parallel calls are allowed by default"
+    server.wait_idle()
+
+
+def test_auto_reads_hermes_tool_calls(server: ServerThread) -> None:
+    """The random model would not call a tool by itself: a regex makes it write a hermes call
+    after some content, and auto reads it back (streamed too)."""
+    regex = r'On it\.\n<tool_call>\{"name": "add", "arguments": \{"a": [1-9], "b": [1-9]\}\}</tool_call>'
+    kw = dict(temperature=1.0, seed=4, tool_choice="auto",
+              extra_body={"structured_outputs": {"regex": regex}})
+    r = _chat(server, **kw)
+    c = r.choices[0]
+    assert c.message.content == "On it.\n" and c.finish_reason == "tool_calls"
+    calls = _check_calls(c.message.tool_calls)
+    assert [n for n, _ in calls] == ["add"]
+    assert _streamed(server, **kw) == ("On it.\n", calls, "tool_calls")
+    plain = _chat(server, temperature=0.0, max_tokens=8, tool_choice="auto")  # no call: content
+    assert plain.choices[0].message.tool_calls == [] and plain.choices[0].message.content
+    server.wait_idle()
+
+
+def test_history_with_tool_calls_and_tool_messages(server: ServerThread) -> None:
+    first = _chat(server, temperature=0.0, tool_choice={"type": "function",
+                                                         "function": {"name": "add"}})
+    call = first.choices[0].message.tool_calls[0]
+    history = MESSAGES + [first.choices[0].message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    r = _chat(server, messages=history, temperature=0.0, max_tokens=4, tool_choice="none")
+    assert r.choices[0].message.tool_calls == []
+    # the template saw the call: the prompt is longer than the history without it
+    assert r.usage.prompt_tokens > _chat(server, messages=MESSAGES, max_tokens=1,
+                                         tool_choice="none").usage.prompt_tokens
+    without_tools = _client(server).chat.completions.create(model="m", messages=MESSAGES,
+                                                            max_tokens=1)
+    assert without_tools.usage.prompt_tokens < r.usage.prompt_tokens
+    server.wait_idle()
+
+
+@pytest.mark.parametrize(("kw", "param"), [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x", "weird": 1}]}, "messages"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{oops"}}]}]},
+     "messages"),
+])
+def test_bad_tool_requests_are_400s(server: ServerThread, kw: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(server, **kw)
+    assert e.value.body["param"] == param, e.value.body
+    server.wait_idle()
