@@ -11,6 +11,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from pagedllm.args import EngineArgs
+from pagedllm.chat import load_chat_template, render_chat
 from pagedllm.engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -75,6 +76,28 @@ class LLM:
         add = self.engine.add_request
         return self._run([partial(add, prompt=p, params=final[id(sp)], priority=pr)
                           for p, sp, pr in zip(plist, params, prios)], use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
+        several (a list of them), rendered by the tokenizer's chat template or ``chat_template``
+        (a file or the Jinja text); ``chat_template_kwargs`` go to the template (e.g.
+        ``{"enable_thinking": False}``), ``tools`` too."""
+        convs: list[Any] = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = load_chat_template(chat_template, "chat_template")
+        prompts: list[PromptType] = [{"prompt_token_ids": render_chat(
+            self.engine.tokenizer, list(conv), add_generation_prompt=add_generation_prompt,
+            tools=tools, chat_template=template, chat_template_kwargs=chat_template_kwargs)}
+            for conv in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], beam_width: int,
                     max_tokens: int) -> list[BeamSearchOutput]:

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pagedllm import __version__
+from pagedllm.chat import check_chat_template_kwargs, load_chat_template
 from pagedllm.engine import LLMEngine
 from pagedllm.logging_utils import init_logger
 from pagedllm.server.inspector import KVInspector
@@ -79,14 +80,17 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
               limits: ServerLimits | None = None, batch_wait_ms: float = 0.0,
               disable_docs: bool = False, kv_inspector: bool = False,
               kv_inspector_show_text: bool = False,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None,
+              chat_template: str | None = None) -> FastAPI:
     """The app for one engine. The engine thread starts and stops with the app's lifespan.
     ``model_name``: the served name (default: the model path as given; ``default_model`` for the
     shipped model). The docs pages (/docs, /redoc, /openapi.json) need the API key when there is
     one, and are not served at all with ``disable_docs``; /health and /metrics stay open.
     ``kv_inspector``: the live KV page at /kv (``pagedllm.server.inspector``; its data behind the
     key).
-    ``tool_call_parser``: see ``server.tools.PARSERS`` (tool_choice 'auto' needs one)."""
+    ``tool_call_parser``: see ``server.tools.PARSERS`` (tool_choice 'auto' needs one);
+    ``chat_template``: a Jinja template (file or text) instead of the tokenizer's."""
+    template = load_chat_template(chat_template)
     if tool_call_parser not in (None, *PARSERS):
         raise ValueError(f"--tool-call-parser {tool_call_parser!r}: choose {', '.join(PARSERS)}")
     srv = _Server(engine, model_name or served_model_name(engine.config.model.model), api_key,
@@ -247,8 +251,14 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
             messages = messages_for_template(req.messages)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        prompt = _chat_prompt(srv, messages, req.add_generation_prompt, Budget(max_tokens, max_field),
-                              plan.tools if plan is not None else None)
+        try:
+            check_chat_template_kwargs(req.chat_template_kwargs)
+        except ValueError as e:
+            raise APIError(400, str(e), param="chat_template_kwargs") from None
+        prompt = _chat_prompt(srv, messages, Budget(max_tokens, max_field),
+                              add_generation_prompt=req.add_generation_prompt,
+                              tools=plan.tools if plan is not None else None,
+                              chat_template=template, chat_template_kwargs=req.chat_template_kwargs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream, ids = await srv.submit(rid, [prompt], params, req, "messages")
         if req.stream:

@@ -47,6 +47,9 @@ class ServerArgs:
         None, "read tool calls out of the text for tool_choice 'auto': hermes "
         "(<tool_call>{json}</tool_call>) or llama3_json", group=S,
         choices=("hermes", "llama3_json"))
+    chat_template: str | None = setting(
+        None, "a Jinja chat template, FILE or the template text, instead of the tokenizer's",
+        group=S)
     log_level: str = setting("info", "uvicorn log level", group=S,
                              choices=("critical", "error", "warning", "info", "debug"))
 

@@ -46,7 +46,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     limits=ServerLimits.from_args(srv), batch_wait_ms=srv.batch_wait_ms,
                     disable_docs=srv.disable_fastapi_docs, kv_inspector=srv.kv_inspector,
                     kv_inspector_show_text=srv.kv_inspector_show_text,
-                    tool_call_parser=srv.tool_call_parser)
+                    tool_call_parser=srv.tool_call_parser,
+                    chat_template=srv.chat_template)
     if srv.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {srv.host} without --api-key", flush=True)
     # SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to --drain-timeout,

@@ -6,8 +6,9 @@ context."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
+from pagedllm.chat import render_chat
 from pagedllm.engine import LLMEngine, PromptType
 from pagedllm.server.async_engine import PromptSource
 from pagedllm.server.serving import APIError, _FieldError, _Server
@@ -81,18 +82,11 @@ def _ids_prompt(srv: _Server, ids: list[int], budget: Budget) -> PromptSource:
     return prepare
 
 
-def _chat_prompt(srv: _Server, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                 budget: Budget, tools: list[dict[str, Any]] | None = None) -> PromptSource:
+def _chat_prompt(srv: _Server, messages: list[dict[str, Any]], budget: Budget,
+                 **render: Any) -> PromptSource:
+    """``render``: ``pagedllm.chat.render_chat``'s keywords (tools, template, its kwargs)."""
     def prepare(engine: LLMEngine) -> PromptType:
-        tok = engine.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat_template; use /v1/completions")
-        try:
-            text = tok.apply_chat_template(messages, tools=cast(Any, tools), tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception) are bad input
-            raise ValueError(f"the chat template rejected these messages: {e}") from None
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = render_chat(engine.tokenizer, messages, **render)
         _check_prompt(srv, ids, "messages", budget)
         return {"prompt_token_ids": ids}
 

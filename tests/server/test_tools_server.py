@@ -7,7 +7,6 @@ assistant ``tool_calls`` and ``tool`` messages, and bad choices are 400s."""
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from server_helpers import API_KEY, ServerThread
 from structured_helpers import TOOLS
 
 TEMPLATE = (
-    "{% if tools %}<|system|>\nTools:{% for t in tools %} {{ t.function.name }}"
+    "{% if greeting %}{{ greeting }}\n{% endif %}{% if tools %}<|system|>\nTools:{% for t in tools %} {{ t.function.name }}"
     "{{ t.function.parameters | tojson }}{% endfor %}<|eos|>\n{% endif %}"
     "{% for m in messages %}<|{{ m.role }}|>\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
     "<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
@@ -31,16 +30,15 @@ PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 @pytest.fixture(scope="module")
 def server(bpe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    """The template comes as a file, as ``pagedllm serve --chat-template FILE`` passes it."""
     from pagedllm.engine import LLMEngine
     from pagedllm.server.api import build_app
 
-    path = tmp_path_factory.mktemp("tool_model")
-    shutil.copytree(bpe_model, path, dirs_exist_ok=True)
-    cfg = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
-    engine = LLMEngine.from_args(model=str(path), num_kv_blocks=512, max_num_seqs=16)
+    template = tmp_path_factory.mktemp("template") / "tools.jinja"
+    template.write_text(TEMPLATE)
+    engine = LLMEngine.from_args(model=str(bpe_model), num_kv_blocks=512, max_num_seqs=16)
     with ServerThread(build_app(engine, model_name="m", api_key=API_KEY,
-                                tool_call_parser="hermes")) as s:
+                                tool_call_parser="hermes", chat_template=str(template))) as s:
         yield s
 
 
@@ -153,7 +151,17 @@ def test_history_with_tool_calls_and_tool_messages(server: ServerThread) -> None
     server.wait_idle()
 
 
+def test_chat_template_kwargs_reach_the_template(server: ServerThread) -> None:
+    client = _client(server)
+    plain = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1)
+    greeted = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1, extra_body={
+        "chat_template_kwargs": {"greeting": "Hello there, friend"}})
+    assert greeted.usage.prompt_tokens > plain.usage.prompt_tokens
+
+
 @pytest.mark.parametrize(("kw", "param"), [
+    ({"extra_body": {"chat_template_kwargs": {"tokenize": True}}}, "chat_template_kwargs"),
+    ({"extra_body": {"chat_template": "{{ x }}"}}, "chat_template"),  # not per request
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "x", "weird": 1}]}, "messages"),
