@@ -27,6 +27,7 @@ from pagedllm.config import (
 )
 from pagedllm.flags import add_flags, check_names, from_namespace, setting
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.hub import resolve_model
 
 ENGINE, MEMORY = "engine", "memory"
 GROUP_TITLES = {ENGINE: "engine (names follow vLLM)", MEMORY: "KV memory management"}
@@ -143,7 +144,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """The frozen configs. Raises ValueError naming the setting at fault."""
-        model = self.model or default_model_path()
+        model = resolve_model(self.model) if self.model else default_model_path()
         mcfg = ModelConfig.from_hf(model, self.dtype)
         limit = mcfg.max_position_embeddings
         max_model_len = self.max_model_len
@@ -187,7 +188,7 @@ class EngineArgs:
                 urgent_priority=self.urgent_priority,
                 preemption_mode=self.preemption_mode,
             ),
-            tokenizer=self.tokenizer or model,
+            tokenizer=resolve_model(self.tokenizer, "tokenizer") if self.tokenizer else model,
             seed=self.seed,
             device=self.device,
             attention_backend=self.attention_backend,

@@ -117,14 +117,18 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, model: str, dtype: str = "auto") -> ModelConfig:
+        from pagedllm.hub import check_checkpoint_format
+
         path = Path(model)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
+            check_checkpoint_format(model, None)
             raise ValueError(
                 f"model={model!r}: no config.json found; pass a local HF checkpoint directory "
                 f"(config.json + *.safetensors + tokenizer files)"
             )
         cfg = json.loads(cfg_file.read_text())
+        check_checkpoint_format(model, cfg)
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import signal
 import socket
+from pathlib import Path
 from typing import Any
 
 from pagedllm.args import EngineArgs
@@ -42,7 +43,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_args = dataclasses.replace(engine_args, model=args.model_pos)
     api_key = srv.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     engine = LLMEngine.from_engine_args(engine_args)
-    app = build_app(engine, model_name=srv.served_model_name, api_key=api_key,
+    name = srv.served_model_name
+    if name is None and engine_args.model and not Path(engine_args.model).exists():
+        name = engine_args.model  # a Hugging Face id: served by that name, not its cache path
+    app = build_app(engine, model_name=name, api_key=api_key,
                     limits=ServerLimits.from_args(srv), batch_wait_ms=srv.batch_wait_ms,
                     disable_docs=srv.disable_fastapi_docs, kv_inspector=srv.kv_inspector,
                     kv_inspector_show_text=srv.kv_inspector_show_text,
