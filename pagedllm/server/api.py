@@ -63,6 +63,7 @@ from pagedllm.server.serving import (
     _validate,
     served_model_name,
 )
+from pagedllm.server.tokenize import add_tokenize_routes
 from pagedllm.server.tools import (
     PARSERS,
     messages_for_template,
@@ -286,6 +287,7 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
     app.include_router(v1)
     if inspector is not None:
         add_inspector_routes(app, inspector, srv.check_auth)
+    add_tokenize_routes(app, srv, template)
     return app
 
 

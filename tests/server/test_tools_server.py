@@ -174,3 +174,29 @@ def test_bad_tool_requests_are_400s(server: ServerThread, kw: dict[str, Any], pa
         _chat(server, **kw)
     assert e.value.body["param"] == param, e.value.body
     server.wait_idle()
+
+
+def test_tokenize_and_detokenize(server: ServerThread) -> None:
+    """vLLM's shapes: the chat form counts what a chat completion's prompt holds."""
+    import httpx
+
+    def post(path: str, body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(server.base_url + path, json=body,
+                          headers={"Authorization": f"Bearer {API_KEY}"})
+
+    t = post("/tokenize", {"model": "m", "prompt": "x = 1", "return_token_strs": True}).json()
+    want = server.call(lambda e: e.tokenizer.encode("x = 1"))
+    assert t["tokens"] == want and t["count"] == len(want) and len(t["token_strs"]) == len(want)
+    assert t["max_model_len"] == server.call(lambda e: e.config.scheduler.max_model_len)
+    assert post("/detokenize", {"model": "m", "tokens": want}).json() == {
+        "prompt": server.call(lambda e: e.tokenizer.decode(want))}
+    chat = post("/tokenize", {"model": "m", "messages": MESSAGES}).json()
+    r = _client(server).chat.completions.create(model="m", messages=MESSAGES, max_tokens=1)
+    assert chat["count"] == r.usage.prompt_tokens
+    for path, body, param in [("/tokenize", {"prompt": "x", "messages": MESSAGES}, "prompt"),
+                              ("/tokenize", {"prompt": "x", "nope": 1}, "nope"),
+                              ("/detokenize", {"tokens": [1, 10**6]}, "tokens")]:
+        bad = post(path, body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    assert httpx.post(server.base_url + "/tokenize", json={"prompt": "x"}).status_code == 401
+    server.wait_idle()

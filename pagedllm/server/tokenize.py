@@ -1,0 +1,94 @@
+"""vLLM's ``/tokenize`` and ``/detokenize``: a prompt (or chat messages through the chat
+template) -> token ids, and ids -> text, with the engine's own tokenizer, on the engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from pydantic import ConfigDict, Field
+
+from pagedllm.chat import render_chat
+from pagedllm.checks import check_token_ids
+from pagedllm.engine import LLMEngine
+from pagedllm.server.protocol import ChatMessage, _Strict
+from pagedllm.server.serving import APIError, _read_json, _Server, _validate
+from pagedllm.server.tools import messages_for_template
+
+
+class TokenizeRequest(_Strict):
+    """Either ``prompt`` (completions) or ``messages`` (chat), as vLLM takes them."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
+def add_tokenize_routes(app: FastAPI, srv: _Server, chat_template: str | None) -> None:
+    router = APIRouter(dependencies=[Depends(srv.check_auth)])
+
+    async def on_engine(fn: Any) -> Any:
+        try:
+            return await asyncio.to_thread(srv.async_engine.call_sync, fn)
+        except ValueError as e:
+            raise APIError(400, str(e), param=_param(str(e))) from None
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = _validate(TokenizeRequest, await _read_json(request, srv.limits.max_request_bytes))
+        srv.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send exactly one of prompt and messages", param="prompt")
+        messages = None
+        if req.messages is not None:
+            try:
+                messages = messages_for_template(req.messages)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
+
+        def run(engine: LLMEngine) -> dict[str, Any]:
+            tok = engine.tokenizer
+            if messages is not None:
+                ids = render_chat(tok, messages, add_generation_prompt=req.add_generation_prompt,
+                                  chat_template=chat_template,
+                                  chat_template_kwargs=req.chat_template_kwargs)
+                if req.add_special_tokens:  # the template writes them; vLLM's default is False
+                    ids = tok.build_inputs_with_special_tokens(ids)
+            else:
+                ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+            strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+            return {"count": len(ids), "max_model_len": srv.max_model_len, "tokens": ids,
+                    "token_strs": strs}
+
+        return await on_engine(run)
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = _validate(DetokenizeRequest, await _read_json(request, srv.limits.max_request_bytes))
+        srv.check_model(req.model)
+
+        def run(engine: LLMEngine) -> dict[str, Any]:
+            check_token_ids("tokens", req.tokens, engine.config.model.vocab_size)
+            return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+        return await on_engine(run)
+
+    app.include_router(router)
+
+
+def _param(message: str) -> str:
+    if message.startswith("tokens="):
+        return "tokens"
+    return "chat_template_kwargs" if "chat_template_kwargs" in message else "messages"
