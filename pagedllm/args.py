@@ -45,6 +45,10 @@ class EngineArgs:
     tokenizer: str | None = setting(
         None, "tokenizer directory (default: --model)", metavar="DIR")
     dtype: str = setting("auto", "model dtype; auto = the checkpoint's", choices=DTYPE_NAMES)
+    generation_config: str = setting(
+        "auto", "default sampling settings: auto = the model's generation_config.json "
+        "(temperature, top_p, top_k, min_p, repetition_penalty, eos ids) for what a request does "
+        "not set, vllm = none, or a directory holding the file", metavar="auto|vllm|DIR")
     block_size: int = setting(_C.block_size, "tokens per KV block (power of two, 1..512)")
     kv_cache_memory: str | int | None = setting(
         None, "KV pool budget, e.g. 2GiB or bytes (default: fits --max-num-seqs full requests, "
@@ -196,6 +200,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             linear_backend=self.linear_backend,
             fused_ops=self.fused_ops,
+            generation_config=self.generation_config,
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
             speculative=SpeculativeConfig.parse(self.speculative_config),
         )

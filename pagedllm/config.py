@@ -351,6 +351,9 @@ class EngineConfig:
     # CPU: RMSNorm (+ residual add), rotary and SiLU-and-mul as fused C++ ops where the kernels
     # are built (pagedllm/kernels); False runs the torch ops.
     fused_ops: bool = True
+    # default sampling settings: "auto" (the model's generation_config.json), "vllm" (none), or a
+    # directory holding the file (pagedllm/generation_config.py)
+    generation_config: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None  # pagedllm/spec_decode (None: off)

@@ -19,6 +19,7 @@ from pagedllm.engine.beam import MAX_BEAM_WIDTH, BeamSearch
 from pagedllm.engine.input import InputProcessor, PromptType, load_prompts
 from pagedllm.engine.output import OutputProcessor
 from pagedllm.executor import Executor, make_executor
+from pagedllm.generation_config import load_generation_defaults
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.kv.plan import plan_kv_pool
 from pagedllm.logging_utils import init_logger
@@ -42,7 +43,10 @@ class LLMEngine:
         """``scheduler_cls`` swaps the batching policy (the benchmarks' contiguous baseline)."""
         self.config = config
         self.tokenizer = get_tokenizer(config.tokenizer)
-        self.eos_token_ids = eos_token_ids(self.tokenizer, config.model.eos_token_ids)
+        self.generation_defaults = load_generation_defaults(config.model.model,
+                                                            config.generation_config)
+        self.eos_token_ids = eos_token_ids(
+            self.tokenizer, config.model.eos_token_ids + self.generation_defaults.eos_token_ids)
         executor = make_executor(config)  # rank 0 here; with TP, the other ranks started
         self.kv_plan = p = plan_kv_pool(config.model, config.cache, config.scheduler,
                                         _profiled_budget(config, executor))
@@ -306,6 +310,10 @@ class LLMEngine:
         s = self.current_stats()
         return {"queries": s.prefix_cache_queries, "hits": s.prefix_cache_hits,
                 "hit_rate": s.prefix_cache_hit_rate}
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config defaults (``--generation-config``)."""
+        return SamplingParams(**self.generation_defaults.sampling)
 
     def current_stats(self) -> StepStats:
         """A record of the engine as it is now, outside any step (``self.stats`` is the last

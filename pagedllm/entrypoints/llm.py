@@ -52,6 +52,11 @@ class LLM:
     def kv_stats(self) -> dict[str, Any]:
         return self.engine.kv_stats()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses without sampling_params: the model's generation_config.json
+        defaults (temperature, top_p, ...) unless ``generation_config="vllm"``."""
+        return self.engine.default_sampling_params()
+
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
@@ -64,7 +69,7 @@ class LLM:
     ) -> list[RequestOutput]:
         plist = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(plist)
+            params = [sampling_params or self.get_default_sampling_params()] * len(plist)
         else:
             params = list(sampling_params)
             if len(params) != len(plist):

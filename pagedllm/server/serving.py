@@ -239,19 +239,22 @@ class _Server:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             _nonfinite(name, getattr(req, name))
-        top_k = req.top_k
+        # what the request leaves out: the model's generation_config defaults (--generation-config)
+        default = self.engine.generation_defaults.sampling
+        top_k = req.top_k if req.top_k is not None else default.get("top_k")
         if top_k is not None and top_k >= self.vocab_size:
             top_k = 0  # keeping the whole vocabulary is no top-k at all
         kwargs: dict[str, Any] = dict(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
+            temperature=default.get("temperature", 1.0) if req.temperature is None else req.temperature,
+            top_p=default.get("top_p", 1.0) if req.top_p is None else req.top_p,
             top_k=0 if top_k is None else top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
+            min_p=default.get("min_p", 0.0) if req.min_p is None else req.min_p,
             seed=req.seed,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=(default.get("repetition_penalty", 1.0) if req.repetition_penalty is None
+                                else req.repetition_penalty),
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop=req.stop,
