@@ -157,7 +157,8 @@ def _file_value(action: argparse.Action, key: str, value: Any, as_flag: bool, wh
         if as_flag and key.replace("-", "_") != action.dest:  # `no-plot: true` means the flag
             return action.const if value else action.default
         return value
-    if isinstance(action, argparse._AppendAction):
+    if isinstance(action, argparse._AppendAction) or (action.nargs in ("+", "*")
+                                                      and isinstance(value, list)):
         items = value if isinstance(value, list) else [value]
         return [_convert(action, key, v, where) for v in items]
     return _convert(action, key, value, where)

@@ -77,25 +77,29 @@ __all__ = ["APIError", "ServerLimits", "build_app"]
 logger = init_logger(__name__)
 
 
-def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str | None = None,
+def build_app(engine: LLMEngine, *, model_name: str | list[str] | None = None,
+              api_key: str | None = None,
               limits: ServerLimits | None = None, batch_wait_ms: float = 0.0,
               disable_docs: bool = False, kv_inspector: bool = False,
               kv_inspector_show_text: bool = False,
               tool_call_parser: str | None = None,
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None, log_requests: bool = False) -> FastAPI:
     """The app for one engine. The engine thread starts and stops with the app's lifespan.
-    ``model_name``: the served name (default: the model path as given; ``default_model`` for the
-    shipped model). The docs pages (/docs, /redoc, /openapi.json) need the API key when there is
+    ``model_name``: the served name, or several (each accepted, the first in responses; default:
+    the model path as given, ``default_model`` for the shipped model). The docs pages (/docs, /redoc, /openapi.json) need the API key when there is
     one, and are not served at all with ``disable_docs``; /health and /metrics stay open.
     ``kv_inspector``: the live KV page at /kv (``pagedllm.server.inspector``; its data behind the
     key).
     ``tool_call_parser``: see ``server.tools.PARSERS`` (tool_choice 'auto' needs one);
-    ``chat_template``: a Jinja template (file or text) instead of the tokenizer's."""
+    ``chat_template``: a Jinja template (file or text) instead of the tokenizer's;
+    ``log_requests``: log each request's id, endpoint and sampling parameters."""
     template = load_chat_template(chat_template)
     if tool_call_parser not in (None, *PARSERS):
         raise ValueError(f"--tool-call-parser {tool_call_parser!r}: choose {', '.join(PARSERS)}")
-    srv = _Server(engine, model_name or served_model_name(engine.config.model.model), api_key,
-                  limits or ServerLimits(), batch_wait_ms)
+    names = [model_name] if isinstance(model_name, str) else list(model_name or [])
+    srv = _Server(engine, names[0] if names else served_model_name(engine.config.model.model),
+                  api_key, limits or ServerLimits(), batch_wait_ms)
+    srv.aliases.update(names)  # several names (--served-model-name A B): each is accepted
     inspector = KVInspector(srv.async_engine, kv_inspector_show_text) if kv_inspector else None
 
     @asynccontextmanager
@@ -178,7 +182,9 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
-        return ModelList(data=[ModelCard(id=srv.model_name, max_model_len=srv.max_model_len)]).model_dump()
+        ids = [srv.model_name] + [n for n in names[1:] if n != srv.model_name]
+        return ModelList(data=[ModelCard(id=i, max_model_len=srv.max_model_len)
+                               for i in ids]).model_dump()
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
@@ -199,6 +205,8 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
         texts, prompts = _completion_prompts(srv, req.prompt, Budget(req.max_tokens))
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream, ids = await srv.submit(rid, prompts, params, req, "prompt")
+        if log_requests:
+            logger.info("request %s /v1/completions: %s", rid, params)
         index_of = {r: i for i, r in enumerate(ids)}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -262,6 +270,8 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
                               chat_template=template, chat_template_kwargs=req.chat_template_kwargs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream, ids = await srv.submit(rid, [prompt], params, req, "messages")
+        if log_requests:
+            logger.info("request %s /v1/chat/completions: %s", rid, params)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             gen = stream_deltas(srv, stream, ChatChunks(srv, rid, req.n, k, plan), include_usage)

@@ -50,6 +50,8 @@ class ServerArgs:
     chat_template: str | None = setting(
         None, "a Jinja chat template, FILE or the template text, instead of the tokenizer's",
         group=S)
+    enable_log_requests: bool = setting(
+        False, "log each request's id, endpoint and sampling parameters", group=S)
     log_level: str = setting("info", "uvicorn log level", group=S,
                              choices=("critical", "error", "warning", "info", "debug"))
 

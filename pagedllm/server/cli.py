@@ -19,6 +19,7 @@ from typing import Any
 from pagedllm.args import EngineArgs
 from pagedllm.flags import apply_config_file
 from pagedllm.server.args import ServerArgs
+from pagedllm.server.vllm_flags import add_vllm_flags, check_vllm_flags
 
 __all__ = ["apply_config_file", "cmd_serve", "register"]
 
@@ -29,6 +30,10 @@ def register(subparsers: Any) -> None:
                    help="HF checkpoint directory (overrides --model)")
     ServerArgs.add_cli_args(p)
     EngineArgs.add_cli_args(p)
+    add_vllm_flags(p)
+    for action in p._actions:  # --served-model-name A B ...: several names, as vLLM
+        if action.dest == "served_model_name":
+            action.nargs = "+"
     p.set_defaults(func=cmd_serve)
 
 
@@ -37,6 +42,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.server.api import ServerLimits, build_app
     from pagedllm.server.drain import DrainingServer
 
+    check_vllm_flags(args)
     srv = ServerArgs.from_cli(args)
     engine_args = EngineArgs.from_cli(args)
     if args.model_pos is not None:
@@ -51,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     disable_docs=srv.disable_fastapi_docs, kv_inspector=srv.kv_inspector,
                     kv_inspector_show_text=srv.kv_inspector_show_text,
                     tool_call_parser=srv.tool_call_parser,
-                    chat_template=srv.chat_template)
+                    chat_template=srv.chat_template, log_requests=srv.enable_log_requests)
     if srv.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {srv.host} without --api-key", flush=True)
     # SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to --drain-timeout,
