@@ -86,7 +86,7 @@ def register(subparsers: Any) -> None:
                        "resolves from --dtype (auto = the checkpoint's); on a GPU pass "
                        "--device cuda --dtype bfloat16.")
     p.add_argument("--backends", default=None,
-                   help="comma-separated: pagedllm, hf, contiguous, vllm (default: the first "
+                   help="comma-separated: pagedllm, pagedllm-json, hf, contiguous, vllm (default: the first "
                    "three, plus vllm when a vLLM Python is known: --vllm-python, "
                    "$PAGEDLLM_VLLM_PYTHON, or this one if it imports vllm); a variant "
                    "'pagedllm[max_num_seqs=128,fused_ops=false]' runs the engine with those "
