@@ -157,7 +157,10 @@ class GrammarCompiler:
                 self.hits += 1
                 return template.deep_copy()
         grammar = to_grammar(so)
-        tok = self.ll_tokenizer
+        try:
+            tok = self.ll_tokenizer
+        except ValueError as e:  # a tokenizer llguidance cannot read: no request can use one
+            raise GrammarError(so.kind, str(e)) from None
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tok)
         if is_error:
             raise GrammarError(so.kind, messages[0].strip())
@@ -179,4 +182,6 @@ def _ll_tokenizer(tokenizer: PreTrainedTokenizerBase, vocab_size: int,
     try:
         return llguidance.hf.from_tokenizer(cast(Any, tokenizer), n_vocab=vocab_size, eos_token=eos or None)
     except ValueError as e:  # a slow (Python) tokenizer
-        raise ValueError(f"structured outputs need a fast (tokenizer.json) tokenizer: {e}") from None
+        raise ValueError("this model's tokenizer cannot drive a grammar (structured outputs need "
+                         f"a byte-level BPE or SentencePiece fast tokenizer; llguidance: {e})"
+                         ) from None

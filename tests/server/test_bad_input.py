@@ -136,8 +136,9 @@ BAD_CHATS: list[Case] = [
      "maximum context length is 128 tokens"),
     ({"messages": [{"role": "user", "content": "t5"}], "tools": [{"type": "function"}]}, 400, "tools",
      "function"),
-    ({"messages": [{"role": "user", "content": "t5"}], "guided_regex": "a(b"}, 400, "guided_regex",
-     "unclosed group"),
+    # the word-level test tokenizer cannot drive a grammar: said so, naming the field
+    ({"messages": [{"role": "user", "content": "t5"}], "guided_regex": "[0-9]+"}, 400, "guided_regex",
+     "tokenizer cannot drive a grammar"),
     ({"messages": [{"role": "user", "content": "t5"}], "model": "gpt-4"}, 404, "model", "'tiny'"),
 ]
 
