@@ -107,7 +107,7 @@ def test_required_tool_choice(server: ServerThread) -> None:
     assert names <= set(PARAMS)
     many = 0
     for seed in range(4):
-        c = _chat(server, temperature=1.0, seed=seed, max_tokens=400, tool_choice="required").choices[0]
+        c = _chat(server, temperature=1.0, seed=seed, max_tokens=300, tool_choice="required").choices[0]
         if c.finish_reason == "length":
             assert c.message.tool_calls == [] and c.message.content.startswith("[")
         else:
