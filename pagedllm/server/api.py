@@ -29,9 +29,9 @@ from pagedllm import __version__
 from pagedllm.chat import check_chat_template_kwargs, load_chat_template
 from pagedllm.engine import LLMEngine
 from pagedllm.logging_utils import init_logger
+from pagedllm.server.fields import check_extras, structured_outputs
 from pagedllm.server.inspector import KVInspector
 from pagedllm.server.inspector import add_routes as add_inspector_routes
-from pagedllm.server.fields import check_extras, structured_outputs
 from pagedllm.server.prompts import Budget, _chat_prompt, _completion_prompts
 from pagedllm.server.protocol import (
     ChatChoice,
