@@ -26,8 +26,8 @@ from pagedllm.config import (
     parse_memory,
 )
 from pagedllm.flags import add_flags, check_names, from_namespace, setting
-from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.hub import resolve_model
+from pagedllm.spec_decode.config import SpeculativeConfig
 
 ENGINE, MEMORY = "engine", "memory"
 GROUP_TITLES = {ENGINE: "engine (names follow vLLM)", MEMORY: "KV memory management"}

@@ -202,8 +202,9 @@ class LLMEngine:
         return stats
 
     def _release(self, request_ids: list[str]) -> None:
-        """Forget finished sequences' per-request state (sampling, proposers)."""
+        """Forget finished sequences' per-request state (sampling, grammars, proposers)."""
         self.executor.release(request_ids)
+        self.structured.release(request_ids)
         if self.spec is not None:
             self.spec.release(request_ids)
 
@@ -253,11 +254,6 @@ class LLMEngine:
                 outputs.append(out)
             self._release(seqs)
         return outputs
-
-    def _release(self, seq_ids: list[str]) -> None:
-        """Forget finished sequences' per-request state (sampling, grammars)."""
-        self.executor.release(seq_ids)
-        self.structured.release(seq_ids)
 
     # -- introspection ----------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -225,7 +225,6 @@ class ModelRunner:
                                 [s.start for s in sched], [s.block_table for s in sched],
                                 self.block_size)
 
-
     def _sampling_metadata(self, sched: list[ScheduledRequest]) -> SamplingMetadata:
         dev, up = self.device, self.uploader
         params = [s.request.params for s in sched]
@@ -326,7 +325,8 @@ class ModelRunner:
         sampling = [i for i, s in enumerate(sched) if s.samples]
         if sampling:
             # one row per sampling request, k + 1 rows for one verifying k proposals
-            sub = [sched[i] for i in sampling for _ in range(1 + len(sched[i].spec_token_ids))]
+            owner = [i for i in sampling for _ in range(1 + len(sched[i].spec_token_ids))]
+            sub = [sched[i] for i in owner]
             if len(sub) == hidden.shape[0]:  # every row samples (decode only, or verification)
                 last = hidden
             else:
@@ -336,11 +336,8 @@ class ModelRunner:
                                     q_start[i + 1])], torch.long)]
             logits = self.model.compute_logits(last)  # [rows, V]
             spec = verify.SeededRewind(sub, self.generators)
-            md = self._sampling_metadata(sub)
-            # a constrained request verifies nothing (decoder.can_speculate): one row each
-            self.constraints.add(md, [i for i in sampling
-                                      for _ in range(1 + len(sched[i].spec_token_ids))],
-                                 sub, out.token_masks)
+            md = self._sampling_metadata(sub)  # a grammar's row never verifies (can_speculate)
+            self.constraints.add(md, owner, sub, out.token_masks)
             so = sample(logits, md)
             fetched = fetch([so.token_ids, so.logprobs, so.ranks, so.topk_ids, so.topk_logprobs])
             ids, lps, ranks, tk_ids, tk_lps = (None if t is None else t.tolist() for t in fetched)
@@ -392,8 +389,7 @@ class ModelRunner:
         return PromptLogprobsChunk(s.start + 1, chosen, ranks, topk)
 
     def kv_contents(self) -> list[torch.Tensor]:
-        """Copies of this rank's KV pool planes, on the host (tests and debugging compare ranks:
-        ``executor.collective_rpc(ModelRunner.kv_contents)``)."""
+        """Host copies of this rank's KV planes (``collective_rpc(ModelRunner.kv_contents)``)."""
         return [p.cpu().clone() for p in self.kv_cache.planes]
 
     def release(self, request_ids: list[str]) -> None:

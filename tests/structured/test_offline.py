@@ -190,3 +190,22 @@ def test_step_stats_count_the_masks(rand: LLM) -> None:
         e.step()
         seen.append(e.stats.num_structured_rows)
     assert max(seen) == 1 and e.stats.grammar_mask_time_s >= 0.0
+
+
+def test_constrained_requests_beside_speculative_decoding() -> None:
+    """With n-gram speculation on, a constrained request never verifies proposals (its grammar's
+    mask holds for one token), so it is sampled exactly as without speculation, and an
+    unconstrained request in the same batch still speculates and keeps its greedy tokens."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "min_acceptance_rate": 0.0, "disable_by_batch_size": None}
+    free = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompts = [PROMPT, PROMPT * 3]
+    params = [_json_params(None), free]
+    plain = LLM(max_num_seqs=8, num_kv_blocks=256).generate(prompts, params, use_tqdm=False)
+    llm = LLM(max_num_seqs=8, num_kv_blocks=256, speculative_config=spec)
+    fast = llm.generate(prompts, params, use_tqdm=False)
+    assert len(plain) == len(fast) == 2
+    check_json(fast[0].outputs[0].text)
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.stats.spec_total.num_drafts > 0, "the free request should have speculated"
+    _idle(llm)
