@@ -19,7 +19,6 @@ HARMLESS = {
 # flag -> what to do instead (flags that take a value)
 REFUSED = {
     "--quantization": "pagedllm loads unquantized weights only (KV cache: --kv-cache-dtype)",
-    "--speculative-config": "speculative decoding is not available in pagedllm serve",
     "--enable-lora": "LoRA adapters are not supported",
     "--lora-modules": "LoRA adapters are not supported",
     "--pipeline-parallel-size": "use --tensor-parallel-size",
@@ -27,7 +26,7 @@ REFUSED = {
     "--load-format": "pagedllm reads safetensors checkpoints only",
     "--tokenizer-mode": "pagedllm uses the checkpoint's fast tokenizer",
 }
-_VALUED = frozenset({"--quantization", "--speculative-config", "--lora-modules",
+_VALUED = frozenset({"--quantization", "--lora-modules",
                      "--pipeline-parallel-size", "--cpu-offload-gb", "--load-format",
                      "--tokenizer-mode"})
 
