@@ -86,11 +86,10 @@ def register(subparsers: Any) -> None:
                        "resolves from --dtype (auto = the checkpoint's); on a GPU pass "
                        "--device cuda --dtype bfloat16.")
     p.add_argument("--backends", default=None,
-                   help="comma-separated: pagedllm, pagedllm-json, hf, contiguous, vllm (default: the first "
-                   "three, plus vllm when a vLLM Python is known: --vllm-python, "
-                   "$PAGEDLLM_VLLM_PYTHON, or this one if it imports vllm); a variant "
-                   "'pagedllm[max_num_seqs=128,fused_ops=false]' runs the engine with those "
-                   "settings changed, interleaved with the others")
+                   help="comma-separated: pagedllm, pagedllm-json, hf, contiguous, vllm (default: "
+                   "pagedllm,hf,contiguous, plus vllm when --vllm-python, $PAGEDLLM_VLLM_PYTHON "
+                   "or this Python has vllm); a variant 'pagedllm[max_num_seqs=128,fused_ops="
+                   "false]' runs the engine with those settings, interleaved with the others")
     p.add_argument("--vllm-python", default=None,
                    help="the Python of a venv with vllm installed (its own torch); the vllm "
                    "backend runs there in a subprocess (default: $PAGEDLLM_VLLM_PYTHON)")
@@ -100,10 +99,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--reps", type=int, default=3, help="repetitions per backend (the fastest is reported)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="HF generate static batch size")
     p.add_argument("--warmup", type=int, default=4, help="requests in each backend's warm-up run")
-    p.add_argument("--json-schema", default=None, metavar="FILE",
-                   help="backend pagedllm-json: this JSON schema on every request (default: an "
-                   "array of records that runs to max_tokens; pagedllm,pagedllm-json measures "
-                   "the structured-output overhead per output token)")
+    p.add_argument("--json-schema", default=None, metavar="FILE", help="backend pagedllm-json: "
+                   "this schema on every request (default: records that run to max_tokens)")
     _workload_args(p, 64)
     _common(p)
     EngineArgs.add_cli_args(p)
@@ -123,9 +120,7 @@ def register(subparsers: Any) -> None:
             raise ValueError(f"--backends {a.backends!r}: choose distinct names from {', '.join(BACKENDS)}")
         kw = engine_kwargs(a)
         spec, reqs, _ = build_workload(kw, _spec_kwargs(a, a.seed))
-        schema = None
-        if a.json_schema is not None:
-            schema = json.loads(Path(a.json_schema).read_text())
+        schema = None if a.json_schema is None else json.loads(Path(a.json_schema).read_text())
         res = run_throughput(reqs, spec, kw, names, a.reps, a.hf_batch_size, a.warmup,
                              a.vllm_python, a.vllm_kwargs, schema)
         _show(report_throughput(res, a.output_dir, a.output_json, a.plot))
