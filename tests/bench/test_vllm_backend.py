@@ -149,8 +149,11 @@ def test_close_kills_the_engine_processes(stand_in: str, tmp_path: Path,
     assert _gone(worker) and _gone(core)
 
 
+# Ctrl-C at a terminal is KeyboardInterrupt; a runner that starts us in the background (no job
+# control) hands SIGINT down ignored, and Python then keeps it ignored, so restore the handler.
 BENCH = """
-import sys
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from pagedllm.bench.throughput import run_throughput
 from pagedllm.bench.workload import build_workload
 kw = dict(model=sys.argv[1], max_model_len=64, block_size=4)
