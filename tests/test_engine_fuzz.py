@@ -144,8 +144,11 @@ class EngineMachine(RuleBasedStateMachine):
         group = self.engine.output.group_of(r.request_id)
         assert group is not None
         choices = self.poisoned.setdefault(group, set())
+        index = int(r.request_id.rpartition("#")[2] or 0) if "#" in r.request_id else 0
         if any(i >= VOCAB for i in ids):  # out of range: the step fails (a negative id wraps)
-            choices.add(int(r.request_id.rpartition("#")[2] or 0) if "#" in r.request_id else 0)
+            choices.add(index)
+        else:  # the ids replace an earlier poison's: this sequence no longer fails
+            choices.discard(index)
 
     @invariant()
     def intact(self) -> None:
