@@ -100,3 +100,25 @@ def assert_beams_match_hf(outs: Sequence[Any], model: Any, prompts: Sequence[lis
         assert [s.token_ids for s in o.sequences] == seqs
         for s, score in zip(o.sequences, scores, strict=True):
             assert abs(s.cumulative_logprob - score) < BEAM_SCORE_TOL, (s.cumulative_logprob, score)
+
+
+def step_until_idle(engine: Any, prompts: Sequence[list[int]], params: Any,
+                    after_step: Any = None, max_steps: int = 2000) -> dict[str, Any]:
+    """Add ``prompts`` as q0, q1, ... (``params``: one SamplingParams or one per prompt) and step
+    until idle, with ``check_integrity()`` and ``after_step(step_number)`` after every step;
+    request id -> its finished outputs."""
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, plist)):
+        engine.add_request(f"q{i}", {"prompt_token_ids": p}, sp)
+    done: dict[str, Any] = {}
+    for step in range(1, max_steps + 1):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs
+        engine.check_integrity()
+        if after_step is not None:
+            after_step(step)
+    assert not engine.has_unfinished_requests()
+    return done

@@ -17,6 +17,7 @@ from engine_checks import (
     assert_same_completion,
     assert_same_outputs,
     audit_kv_moves,
+    step_until_idle,
 )
 
 from pagedllm import LLM, SamplingParams
@@ -46,20 +47,7 @@ def _run(engine: LLMEngine, prompts: list[list[int]], after_step: Any = None,
          max_steps: int = 2000) -> dict[str, list]:
     """Add ``prompts`` as q0, q1, ... (GREEDY) and step until idle, checking integrity and calling
     ``after_step(step_number)`` after every step; request id -> finished outputs."""
-    for i, p in enumerate(prompts):
-        engine.add_request(f"q{i}", {"prompt_token_ids": p}, GREEDY)
-    done: dict[str, list] = {}
-    for step in range(1, max_steps + 1):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs
-        engine.check_integrity()
-        if after_step is not None:
-            after_step(step)
-    assert not engine.has_unfinished_requests()
-    return done
+    return step_until_idle(engine, prompts, GREEDY, after_step, max_steps)
 
 
 def _all_back(engine: LLMEngine) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_checks import assert_same_completion, audit_kv_moves
+from engine_checks import assert_same_completion, audit_kv_moves, step_until_idle
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine import LLMEngine
@@ -38,20 +38,8 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | li
         after_step: Any = None) -> dict[str, Any]:
     """Add ``prompts`` as q0, q1, ...; step until idle with ``check_integrity()`` after every
     step; request id -> its finished outputs. Every block is back in the pool at the end."""
-    plist = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (p, sp) in enumerate(zip(prompts, plist)):
-        engine.add_request(f"q{i}", {"prompt_token_ids": p}, sp)
-    done: dict[str, Any] = {}
-    for _ in range(3000):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs
-        engine.check_integrity()
-        if after_step is not None:
-            after_step(engine)
-    assert not engine.has_unfinished_requests()
+    cb = None if after_step is None else (lambda _step: after_step(engine))
+    done = step_until_idle(engine, prompts, params, cb, max_steps=3000)
     assert len(done) == len(prompts)
     engine.check_integrity()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks, "a block was not returned"
