@@ -34,8 +34,9 @@ def test_decode_grid(kernel: CpuBackend, num_heads: int, num_kv_heads: int, bloc
                            torch.float32, None, seed=block_size + head_dim)
 
 
-# 8, 40 and 256 take the plain loops (not a multiple of 16, or past the AVX-512 templates).
-@pytest.mark.parametrize("head_dim", [8, 32, 40, 128, 256])
+# 8, 40 and 256 take the plain loops (not a multiple of 16, or past the AVX-512 templates); in
+# bf16, 32, 64, 96 and 128 score with AVX512-BF16 dot products where the CPU has them.
+@pytest.mark.parametrize("head_dim", [8, 32, 40, 64, 96, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 1, 5, 64, 200])
 def test_dtypes_dims_windows(kernel: CpuBackend, head_dim: int, dtype: torch.dtype,

@@ -1,13 +1,19 @@
-// The two inner loops of the decode kernel, over one tile of fp32 K or V rows of one kv head
-// (row pointers padded to a multiple of 16 with a zero row, so vector code needs no tail):
+// The two inner loops of the decode kernel, over one tile of K or V rows of one kv head (row
+// pointers padded to a multiple of 16 with a zero row, so vector code needs no tail):
 //
 //   scores:  s[j][i]  = q[j] . k_row[i]                 j < g query heads, i < n positions
 //   values:  acc[j]  += sum_i p[j][i] * v_row[i]
 //
-// With AVX-512 and head_dim a multiple of 16 (up to 128), templated on the vectors per row:
-// scores hold q[j] in registers and reduce 16 dot products at once with a shuffle tree instead
-// of one horizontal sum per product; values keep blocks of acc rows in registers, with two
-// accumulator sets for even and odd positions so the FMA chains do not wait on each other.
+// Rows are read where they lie, in their own element type T (fp32, bf16 or fp16; int8 / fp8
+// rows arrive converted to fp32 by the caller) and widened to fp32 in registers; every sum is
+// an fp32 sum. With AVX-512 and head_dim a multiple of 16 (up to 128), templated on the vectors
+// per row: scores hold q[j] in registers and reduce 16 dot products at once with a shuffle tree
+// instead of one horizontal sum per product; values keep blocks of acc rows in registers, with
+// two accumulator sets for even and odd positions so the FMA chains do not wait on each other.
+// bf16 q against bf16 K (AVX512-BF16, head_dim a multiple of 32) scores with `vdpbf16ps`: the
+// products of two bf16 values are exact in fp32 and summed in fp32 (denormal inputs read as
+// zero), so it computes what widening both would, in half the instructions; q stays unscaled
+// (a bf16 q times a softmax scale is not a bf16 value) and the 16 sums are scaled instead.
 // Anything else takes the plain loops (vectorised by the compiler over head_dim).
 #pragma once
 
@@ -19,21 +25,56 @@ namespace pagedllm {
 
 constexpr int64_t TILE = 64;  // positions per online-softmax update, a multiple of 16
 
-using ScoresFn = void (*)(const float* q, int64_t g, int64_t d, const float* const* rows,
-                          int64_t n, float* s);
+// q: fp32 [g, d] pre-scaled by the softmax scale (post unused), or for scores_dpbf16 bf16
+// [g, d] unscaled, the scores then multiplied by post.
+using ScoresFn = void (*)(const void* q, float post, int64_t g, int64_t d,
+                          const void* const* rows, int64_t n, float* s);
 using ValuesFn = void (*)(float* acc, int64_t g, int64_t d, const float* p,
-                          const float* const* rows, int64_t n);
+                          const void* const* rows, int64_t n);
 
-inline void scores_plain(const float* q, int64_t g, int64_t d, const float* const* rows,
-                         int64_t n, float* s) {
-  for (int64_t j = 0; j < g; ++j)
-    for (int64_t i = 0; i < n; ++i) s[j * TILE + i] = dot(q + j * d, rows[i], d);
+template <typename T>
+inline float widen(const T* x, int64_t i) {
+  if constexpr (std::is_same_v<T, float>)
+    return x[i];
+  else if constexpr (std::is_same_v<T, c10::BFloat16>)
+    return bf16_to_float(reinterpret_cast<const uint16_t*>(x)[i]);
+  else
+    return c10::detail::fp16_ieee_to_fp32_value(reinterpret_cast<const uint16_t*>(x)[i]);
 }
 
-inline void values_plain(float* acc, int64_t g, int64_t d, const float* p,
-                         const float* const* rows, int64_t n) {
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < g; ++j) axpy(acc + j * d, p[j * TILE + i], rows[i], d);
+template <typename T>
+inline float dot_t(const float* __restrict a, const T* __restrict b, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return dot(a, b, n);
+  } else {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; ++i) s += a[i] * widen(b, i);
+    return s;
+  }
+}
+
+template <typename T>
+void scores_plain(const void* qv, float, int64_t g, int64_t d, const void* const* rows,
+                  int64_t n, float* s) {
+  const float* q = static_cast<const float*>(qv);
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t i = 0; i < n; ++i)
+      s[j * TILE + i] = dot_t(q + j * d, static_cast<const T*>(rows[i]), d);
+}
+
+template <typename T>
+void values_plain(float* acc, int64_t g, int64_t d, const float* p, const void* const* rows,
+                  int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* v = static_cast<const T*>(rows[i]);
+    for (int64_t j = 0; j < g; ++j) {
+      float* y = acc + j * d;
+      const float a = p[j * TILE + i];
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) y[c] += a * widen(v, c);
+    }
+  }
 }
 
 #if defined(__AVX512F__)
@@ -55,26 +96,27 @@ inline __m512 reduce16(__m512* a) {
                        _mm512_shuffle_f32x4(e[0], e[1], 0xDD));
 }
 
-template <int NV>
-void scores_avx512(const float* q, int64_t g, int64_t, const float* const* rows, int64_t n,
-                   float* s) {
+template <int NV, typename T>
+void scores_avx512(const void* qp, float, int64_t g, int64_t, const void* const* rows,
+                   int64_t n, float* s) {
+  const float* q = static_cast<const float*>(qp);
   for (int64_t j = 0; j < g; ++j) {
     __m512 qv[NV];
     for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(q + j * NV * 16 + c * 16);
     for (int64_t i = 0; i < n; i += 16) {
       __m512 a[16];
       for (int t = 0; t < 16; ++t) {
-        const float* k = rows[i + t];
-        a[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-        for (int c = 1; c < NV; ++c) a[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * 16), a[t]);
+        const T* k = static_cast<const T*>(rows[i + t]);
+        a[t] = _mm512_mul_ps(qv[0], load16<T>(k));
+        for (int c = 1; c < NV; ++c) a[t] = _mm512_fmadd_ps(qv[c], load16<T>(k + c * 16), a[t]);
       }
       _mm512_storeu_ps(s + j * TILE + i, reduce16(a));
     }
   }
 }
 
-template <int NV>
-void values_avx512(float* acc, int64_t g, int64_t, const float* p, const float* const* rows,
+template <int NV, typename T>
+void values_avx512(float* acc, int64_t g, int64_t, const float* p, const void* const* rows,
                    int64_t n) {
   constexpr int JB = NV >= 8 ? 1 : 8 / NV;  // acc rows per register block
   for (int64_t j0 = 0; j0 < g; j0 += JB) {
@@ -87,14 +129,16 @@ void values_avx512(float* acc, int64_t g, int64_t, const float* p, const float* 
         a1[jj][c] = _mm512_setzero_ps();
       }
     for (int64_t i = 0; i < n; i += 2) {  // rows and p are padded to 16 (zero rows, p = 0)
-      const float *v0 = rows[i], *v1 = rows[i + 1];
+      const T *r0 = static_cast<const T*>(rows[i]), *r1 = static_cast<const T*>(rows[i + 1]);
+      __m512 v0[NV], v1[NV];  // widened once, used by every acc row of the block
+      for (int c = 0; c < NV; ++c) v0[c] = load16<T>(r0 + c * 16), v1[c] = load16<T>(r1 + c * 16);
       for (int jj = 0; jj < JB; ++jj) {
         if (jj >= jn) break;
         const float* pj = p + (j0 + jj) * TILE + i;
         __m512 p0 = _mm512_set1_ps(pj[0]), p1 = _mm512_set1_ps(pj[1]);
         for (int c = 0; c < NV; ++c) {
-          a0[jj][c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + c * 16), a0[jj][c]);
-          a1[jj][c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + c * 16), a1[jj][c]);
+          a0[jj][c] = _mm512_fmadd_ps(p0, v0[c], a0[jj][c]);
+          a1[jj][c] = _mm512_fmadd_ps(p1, v1[c], a1[jj][c]);
         }
       }
     }
@@ -103,25 +147,95 @@ void values_avx512(float* acc, int64_t g, int64_t, const float* p, const float* 
         _mm512_storeu_ps(acc + (j0 + jj) * NV * 16 + c * 16, _mm512_add_ps(a0[jj][c], a1[jj][c]));
   }
 }
+
+#if defined(__AVX512BF16__)
+// NP = head_dim / 32 pairs-vectors per row; q and rows bf16.
+template <int NP>
+void scores_dpbf16(const void* qp, float post, int64_t g, int64_t, const void* const* rows,
+                   int64_t n, float* s) {
+  const c10::BFloat16* q = static_cast<const c10::BFloat16*>(qp);
+  const __m512 scale = _mm512_set1_ps(post);
+  for (int64_t j = 0; j < g; ++j) {
+    __m512bh qv[NP];
+    for (int c = 0; c < NP; ++c)
+      qv[c] = (__m512bh)_mm512_loadu_si512(q + j * NP * 32 + c * 32);
+    for (int64_t i = 0; i < n; i += 16) {
+      __m512 a[16];
+      for (int t = 0; t < 16; ++t) {
+        const c10::BFloat16* k = static_cast<const c10::BFloat16*>(rows[i + t]);
+        a[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(k));
+        for (int c = 1; c < NP; ++c)
+          a[t] = _mm512_dpbf16_ps(a[t], qv[c], (__m512bh)_mm512_loadu_si512(k + c * 32));
+      }
+      _mm512_storeu_ps(s + j * TILE + i, _mm512_mul_ps(reduce16(a), scale));
+    }
+  }
+}
+#endif
 #endif
 
-// The tile loops for head_dim d.
-inline void tile_fns(int64_t d, ScoresFn& scores, ValuesFn& values) {
-  scores = scores_plain;
-  values = values_plain;
+// Whether scores_fn(..., q_bf16 = true) exists here: then q goes in as bf16, unscaled.
+inline bool dpbf16_scores(Kind rows, int64_t d) {
+#if defined(__AVX512BF16__)
+  return rows == Kind::BF16 && d % 32 == 0 && d <= 128;
+#else
+  return false;
+#endif
+}
+
 #if defined(__AVX512F__)
-  switch (d) {
-#define PAGEDLLM_NV(nv)            \
-  case nv * 16:                    \
-    scores = scores_avx512<nv>;    \
-    values = values_avx512<nv>;    \
-    break;
-    PAGEDLLM_NV(1) PAGEDLLM_NV(2) PAGEDLLM_NV(3) PAGEDLLM_NV(4)
-    PAGEDLLM_NV(5) PAGEDLLM_NV(6) PAGEDLLM_NV(7) PAGEDLLM_NV(8)
-#undef PAGEDLLM_NV
-    default: break;
+// fn<head_dim / 16, T> where a template exists for head_dim d.
+#define PAGEDLLM_BY_NV(fn, T)                                                              \
+  switch (d) {                                                                             \
+    case 16: return fn<1, T>;  case 32: return fn<2, T>;  case 48: return fn<3, T>;        \
+    case 64: return fn<4, T>;  case 80: return fn<5, T>;  case 96: return fn<6, T>;        \
+    case 112: return fn<7, T>; case 128: return fn<8, T>; default: break;                  \
+  }
+#else
+#define PAGEDLLM_BY_NV(fn, T)
+#endif
+
+template <typename T>
+ScoresFn scores_for(int64_t d) {
+  PAGEDLLM_BY_NV(scores_avx512, T)
+  return scores_plain<T>;
+}
+
+template <typename T>
+ValuesFn values_for(int64_t d) {
+  PAGEDLLM_BY_NV(values_avx512, T)
+  return values_plain<T>;
+}
+#undef PAGEDLLM_BY_NV
+
+// The scores loop for K rows of kind `rows` (F32, F16 or BF16) and head_dim d; q_bf16: q
+// goes in as bf16 (only where dpbf16_scores says so).
+inline ScoresFn scores_fn(Kind rows, int64_t d, bool q_bf16) {
+#if defined(__AVX512BF16__)
+  if (q_bf16) {
+    switch (d) {
+      case 32: return scores_dpbf16<1>;
+      case 64: return scores_dpbf16<2>;
+      case 96: return scores_dpbf16<3>;
+      case 128: return scores_dpbf16<4>;
+      default: break;
+    }
   }
 #endif
+  TORCH_CHECK(!q_bf16, "no bf16 scores loop for head_dim ", d);
+  switch (rows) {
+    case Kind::BF16: return scores_for<c10::BFloat16>(d);
+    case Kind::F16: return scores_for<c10::Half>(d);
+    default: return scores_for<float>(d);
+  }
+}
+
+inline ValuesFn values_fn(Kind rows, int64_t d) {
+  switch (rows) {
+    case Kind::BF16: return values_for<c10::BFloat16>(d);
+    case Kind::F16: return values_for<c10::Half>(d);
+    default: return values_for<float>(d);
+  }
 }
 
 }  // namespace pagedllm

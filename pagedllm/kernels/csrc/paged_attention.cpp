@@ -2,11 +2,11 @@
 //
 // One work item = (decode request r, kv heads [h0, h1)): all of r's kv heads unless there are
 // fewer requests than threads. Over positions [lo, L) of r (lo = L - window with a sliding
-// window, else 0), in tiles of TILE positions, for each kv head h: resolve the tile's K rows to
-// fp32 (an fp32 cache is read where it lies; fp16 / bf16 / int8 / fp8 rows are converted, times
-// their scale, into a buffer that stays in L1), score them against h's G = Hq / Hkv query heads
-// (attention_tile.h), update the online softmax (running max m, sum l, fp32 accumulator rescaled
-// by exp(m_old - m_new)), then accumulate the tile's V rows.
+// window, else 0), in tiles of TILE positions, for each kv head h: point at the tile's K rows
+// (fp32 / fp16 / bf16 rows are read where they lie and widened in registers; int8 / fp8 rows are
+// converted, times their scale, into an fp32 buffer that stays in L1), score them against h's
+// G = Hq / Hkv query heads (attention_tile.h), update the online softmax (running max m, sum l,
+// fp32 accumulator rescaled by exp(m_old - m_new)), then accumulate the tile's V rows.
 //
 //   position p of request r:  block = block_tables[r, p / block_size], offset = p % block_size
 //   K row (p, h) = k_cache[block, offset, h, :]   (strides from the tensor; last dim contiguous)
@@ -68,32 +68,49 @@ CacheView view_of(const at::Tensor& cache, const std::optional<at::Tensor>& scal
   return v;
 }
 
+// The element type the tile loops read a cache's rows in: its own, or fp32 for int8 / fp8
+// (converted by tile_rows).
+Kind row_kind(Kind k) { return k == Kind::F16 || k == Kind::BF16 ? k : Kind::F32; }
+
 struct Scratch {
   std::vector<float> q, acc, m, l, p, kbuf, vbuf, zero;
-  std::vector<const float*> krows, vrows;
+  std::vector<c10::BFloat16> qb;  // q unscaled, for the bf16 scores loop
+  std::vector<const void*> krows, vrows;
   std::vector<int64_t> blk, off;  // the tile's positions: block id, offset in the block
   Scratch(int64_t heads, int64_t d)
       : q(heads * d), acc(heads * d), m(heads), l(heads), p(heads * TILE), kbuf(TILE * d),
-        vbuf(TILE * d), zero(d), krows(TILE), vrows(TILE), blk(TILE), off(TILE) {}
+        vbuf(TILE * d), zero(d), qb(heads * d), krows(TILE), vrows(TILE), blk(TILE), off(TILE) {}
 };
 
 // Row pointers of head h at the tile's n positions (then zero rows up to n16): into the cache
-// for fp32, else converted (and scaled) into buf.
+// for fp32 / fp16 / bf16, else converted (and scaled) into buf.
 void tile_rows(const CacheView& c, const Scratch& s, int64_t n, int64_t n16, int64_t h,
-               int64_t d, float* buf, const float** rows) {
+               int64_t d, float* buf, const void** rows) {
   for (int64_t i = 0; i < n; ++i) {
     const int64_t blk = s.blk[i], off = s.off[i];
     const char* src = c.data + (blk * c.s_block + off * c.s_off + h * c.s_head) * c.elem;
-    if (c.kind == Kind::F32) {
-      rows[i] = reinterpret_cast<const float*>(src);
+    if (!c.scale) {
+      rows[i] = src;
     } else {
-      float sc = c.scale ? bf16_to_float(c.scale[blk * c.c_block + off * c.c_off + h * c.c_head])
-                         : 1.0f;
+      float sc = bf16_to_float(c.scale[blk * c.c_block + off * c.c_off + h * c.c_head]);
       to_float(c.kind, src, sc, buf + i * d, d);
       rows[i] = buf + i * d;
     }
   }
   for (int64_t i = n; i < n16; ++i) rows[i] = s.zero.data();
+}
+
+// Ask for the K or V rows of heads [h0, h1) at positions [p0, p1) of a request (its block
+// table `table`) to be brought into cache: the next tile's, issued before this one's arithmetic,
+// since its blocks lie anywhere in the pool and no hardware prefetcher can guess them.
+void prefetch_rows(const CacheView& c, const int32_t* table, int64_t block_size, int64_t p0,
+                   int64_t p1, int64_t h0, int64_t h1, int64_t d) {
+  const int64_t bytes = ((h1 - h0 - 1) * c.s_head + d) * c.elem;  // heads h0..h1-1 of one slot
+  for (int64_t p = p0; p < p1; ++p) {
+    const char* row = c.data + (table[p / block_size] * c.s_block + (p % block_size) * c.s_off +
+                                h0 * c.s_head) * c.elem;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+  }
 }
 
 struct Problem {
@@ -104,6 +121,7 @@ struct Problem {
   int64_t table_stride, block_size, group, d;
   float scale;
   Kind q_kind, out_kind;
+  bool q_bf16;  // scores take q as bf16, unscaled (dpbf16_scores)
   ScoresFn scores;
   ValuesFn values;
 };
@@ -114,10 +132,13 @@ struct Problem {
 void attend(const Problem& pb, Scratch& s, int64_t r, int64_t row, int64_t lo, int64_t hi,
             int64_t h0, int64_t h1) {
   const int64_t d = pb.d, gn = pb.group, nq = (h1 - h0) * gn;
-  for (int64_t j = 0; j < nq; ++j) {  // q pre-scaled by the softmax scale, in fp32
+  for (int64_t j = 0; j < nq; ++j) {  // q pre-scaled by the softmax scale, in fp32 (or bf16 as is)
     const char* src = static_cast<const char*>(pb.q.data_ptr()) +
                       (row * pb.q.stride(0) + (h0 * gn + j) * pb.q.stride(1)) * pb.q.element_size();
-    to_float(pb.q_kind, src, pb.scale, s.q.data() + j * d, d);
+    if (pb.q_bf16)
+      std::memcpy(s.qb.data() + j * d, src, d * sizeof(c10::BFloat16));
+    else
+      to_float(pb.q_kind, src, pb.scale, s.q.data() + j * d, d);
     s.m[j] = -1e30f;  // finite: exp(m_old - m_new) underflows to 0 on the first tile
     s.l[j] = 0.0f;
   }
@@ -130,11 +151,16 @@ void attend(const Problem& pb, Scratch& s, int64_t r, int64_t row, int64_t lo, i
       s.off[i] = off;
       if (++off == pb.block_size) off = 0, ++bi;
     }
+    const int64_t p1 = std::min(hi, p0 + 2 * TILE);
+    prefetch_rows(pb.k, table, pb.block_size, p0 + n, p1, h0, h1, d);
+    prefetch_rows(pb.v, table, pb.block_size, p0 + n, p1, h0, h1, d);
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t j0 = (h - h0) * gn;
       float *pj0 = s.p.data() + j0 * TILE, *acc = s.acc.data() + j0 * d;
       tile_rows(pb.k, s, n, n16, h, d, s.kbuf.data(), s.krows.data());
-      pb.scores(s.q.data() + j0 * d, gn, d, s.krows.data(), n16, pj0);
+      const void* qj = pb.q_bf16 ? static_cast<const void*>(s.qb.data() + j0 * d)
+                                 : static_cast<const void*>(s.q.data() + j0 * d);
+      pb.scores(qj, pb.scale, gn, d, s.krows.data(), n16, pj0);
       for (int64_t j = j0; j < j0 + gn; ++j) {  // online softmax over the tile
         float* pj = s.p.data() + j * TILE;
         float mx = s.m[j];
@@ -224,10 +250,11 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
     while (i < n_items && cost[i] * n_chunks < cost[n_items] * c) ++i;
     bounds[c] = i;
   }
-  Problem pb{q,     out,        view_of(k_cache, k_scale, "k"), view_of(v_cache, v_scale, "v"),
-             block_tables.data_ptr<int32_t>(),  block_tables.stride(0), block_size, hq / hkv, d,
-             static_cast<float>(scale), q_kind, q_kind, nullptr, nullptr};
-  tile_fns(d, pb.scores, pb.values);
+  const CacheView kv = view_of(k_cache, k_scale, "k"), vv = view_of(v_cache, v_scale, "v");
+  const bool q_bf16 = q_kind == Kind::BF16 && dpbf16_scores(row_kind(kv.kind), d);
+  Problem pb{q, out, kv, vv, block_tables.data_ptr<int32_t>(), block_tables.stride(0), block_size,
+             hq / hkv, d, static_cast<float>(scale), q_kind, q_kind, q_bf16,
+             scores_fn(row_kind(kv.kind), d, q_bf16), values_fn(row_kind(vv.kind), d)};
   at::parallel_for(0, n_chunks, 1, [&](int64_t c0, int64_t c1) {
     Scratch s(per * pb.group, d);
     for (int64_t i = bounds[c0]; i < bounds[c1]; ++i) {
