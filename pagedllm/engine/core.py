@@ -75,7 +75,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, config.model.vocab_size,
                                                   self.eos_token_ids)
         self.beams = BeamSearch(self.scheduler, self.tokenizer, config.scheduler.max_model_len)
-        self.spec: SpecDecoder | None = build_spec_decoder(config, self.tokenizer)
+        self.spec: SpecDecoder | None = build_spec_decoder(config, self.tokenizer, p.num_blocks)
         self.stats = self.current_stats()  # the last step's record (StepStats)
 
     @classmethod
@@ -265,6 +265,8 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        if self.spec is not None:
+            self.spec.check_integrity()  # a draft model's own KV pool
         for rid in self.scheduler.requests:
             assert self.output.owns(rid) or self.beams.owns(rid), f"scheduler request {rid} has no owner"
 

@@ -6,6 +6,9 @@ Two methods, vLLM's keys:
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     {"model": "/path/to/draft", "num_speculative_tokens": 4}        (method "draft_model")
 
+A draft model has its own paged KV pool: ``draft_num_kv_blocks`` blocks of the target's block
+size (default: as many blocks as the target's pool, so it holds as many tokens).
+
 The adaptive rule's knobs (``pagedllm.spec_decode.adaptive``): ``disable_by_batch_size`` (no
 proposals while more requests than this decode in a step; vLLM's name) and
 ``min_acceptance_rate`` over the last ``acceptance_window`` proposed tokens of a request (below
@@ -30,6 +33,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     model: str | None = None  # the draft model's HF checkpoint directory
+    draft_num_kv_blocks: int | None = None  # the draft's KV pool (None: the target's block count)
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
     min_acceptance_rate: float = 0.2
     acceptance_window: int = 16
@@ -53,6 +57,9 @@ class SpeculativeConfig:
             raise bad("model", "the draft_model method needs the draft's checkpoint directory")
         if self.method == "ngram" and self.model is not None:
             raise bad("model", "the ngram method takes no model; drop it or use method draft_model")
+        if self.draft_num_kv_blocks is not None and (
+                self.method != "draft_model" or self.draft_num_kv_blocks < 1):
+            raise bad("draft_num_kv_blocks", "must be >= 1, with a draft model")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise bad("disable_by_batch_size", "must be >= 1 or null (never disabled)")
         if not 0.0 <= self.min_acceptance_rate <= 1.0:

@@ -3,7 +3,7 @@
     step():  propose (here) -> schedule -> execute (verify) -> update (accept, roll back) -> outputs
 
 ``propose`` runs before ``schedule``: each decoding request the adaptive rule lets through gets
-``spec_token_ids`` from the proposer (n-gram lookup); the scheduler gives it
+``spec_token_ids`` from the proposer (n-gram lookup, or a draft model: spec_decode/draft.py); the scheduler gives it
 1 + k query tokens inside the token budget (sched/scheduler.py ``_proposals``), the runner
 verifies them (spec_decode/verify.py), ``Scheduler.update`` appends the accepted ones and rolls
 the KV back past them (``KVCacheManager.rollback``), and ``record`` counts the step.
@@ -35,7 +35,11 @@ class Proposer(Protocol):
         ...
 
     def release(self, request_ids: Iterable[str]) -> None:
-        """Forget finished requests."""
+        """Forget finished (or preempted) requests, freeing what the proposer holds for them."""
+        ...
+
+    def check_integrity(self) -> None:
+        """Assert the proposer's own invariants (a draft's KV pool)."""
         ...
 
 
@@ -48,6 +52,9 @@ class NgramProposer:
                 for r, k in zip(requests, ks)]
 
     def release(self, request_ids: Iterable[str]) -> None:
+        pass
+
+    def check_integrity(self) -> None:
         pass
 
 
@@ -104,6 +111,8 @@ class SpecDecoder:
             counts.num_draft_tokens += k
             counts.num_accepted_tokens += a
             self.rule.record(s.request.request_id, k, a, step)
+        if out.preempted:  # a draft frees their KV; it recomputes when they resume
+            self.proposer.release(out.preempted)
         self.total.add(counts)
         return counts
 
@@ -113,13 +122,18 @@ class SpecDecoder:
             self.rule.forget(rid)
         self.proposer.release(ids)
 
+    def check_integrity(self) -> None:
+        self.proposer.check_integrity()
 
-def build_spec_decoder(config: EngineConfig, tokenizer: Any) -> SpecDecoder | None:
-    """The engine's SpecDecoder for ``config.speculative`` (None: no speculation)."""
+
+def build_spec_decoder(config: EngineConfig, tokenizer: Any, num_blocks: int) -> SpecDecoder | None:
+    """The engine's SpecDecoder for ``config.speculative`` (None: no speculation);
+    ``num_blocks``: the target's KV pool, a draft model's default pool size."""
     spec = config.speculative
     if spec is None:
         return None
-    if spec.method != "ngram":
-        raise ValueError(f"speculative_config method {spec.method!r} is not supported yet; use "
-                         '{"method": "ngram", ...} (--speculative-config)')
+    if spec.method == "draft_model":
+        from pagedllm.spec_decode.draft import build_draft_proposer
+
+        return SpecDecoder(spec, build_draft_proposer(config, tokenizer, num_blocks))
     return SpecDecoder(spec, NgramProposer(spec))

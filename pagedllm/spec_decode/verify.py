@@ -18,9 +18,11 @@ min(1, p(d) / q(d)) = p(d), else draw from the residual max(p - q, 0) / Z = p wi
 same as drawing x ~ p and accepting exactly when x == d. Rows past the first mismatch are
 discarded, so the kept tokens are ancestral samples of the target: greedy output is identical
 to no speculation, and so is a seeded request's, because ``SeededRewind`` puts its generator
-back where plain sampling would have left it (one draw per kept token). A draft model with a
-full distribution q would need the general rule (not built yet). Torch only for the generators;
-the acceptance itself is plain Python over the fetched token ids.
+back where plain sampling would have left it (one draw per kept token). The draft model's
+proposals are its greedy tokens (spec_decode/draft.py), point masses too, so the same rule
+verifies them; a sampled draft with a full distribution q would need the general rule
+min(1, p/q) with the residual (not built: it accepts more often only at high temperatures).
+Torch only for the generators; the acceptance itself is plain Python over the fetched token ids.
 """
 
 from __future__ import annotations
