@@ -13,11 +13,14 @@ on that same device at the dtype the engine resolves (``ModelConfig.from_hf(mode
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.bench.device import require_device, synchronize
 from pagedllm.bench.workload import BenchRequest
+
+if TYPE_CHECKING:
+    from pagedllm.sched.stats import SpecDecodeCounts
 
 BACKENDS = ("pagedllm", "pagedllm-json", "hf", "contiguous", "vllm")
 # ``pagedllm-json``'s schema on every request (``--json-schema`` replaces it): records that the
@@ -73,6 +76,7 @@ class EngineBackend:
         trace.restart()
         self.step_prepare_s.clear()
         preempted_before = eng.num_preemptions
+        spec_before = replace(eng.spec.total) if eng.spec is not None else None
         so = None if self.json_schema is None else StructuredOutputsParams(json=self.json_schema)
         mask_s = wait_s = 0.0
         ids = [f"b{i}" for i in range(len(reqs))]
@@ -100,6 +104,8 @@ class EngineBackend:
         stats["num_preemptions"] = eng.num_preemptions - preempted_before
         stats["num_steps"] = len(trace.t)  # this run's step records (`pagedllm plan` replays these)
         stats["cpu_s"] = cpu  # all of this process's threads (on a shared machine, steadier)
+        if eng.spec is not None:
+            stats.update(spec_stats(spec_before, eng.spec.total))
         if so is not None:  # llguidance's time computing masks, and the part sampling waited for
             stats["grammar_mask_s"], stats["grammar_wait_s"] = mask_s, wait_s
         return RunResult(self.name, elapsed, len(reqs), sum(r.prompt_len for r in reqs), n_out,
@@ -164,11 +170,27 @@ class HFBackend:
                           "dtype": self.dtype})
 
 
+def spec_stats(before: SpecDecodeCounts | None, after: SpecDecodeCounts) -> dict[str, Any]:
+    """A run's speculative decoding: its proposed / accepted tokens (the totals' growth since
+    ``before``), the acceptance rate and tokens per verification."""
+    from pagedllm.sched.stats import SpecDecodeCounts
+
+    b = before or SpecDecodeCounts()
+    run = SpecDecodeCounts(after.num_drafts - b.num_drafts,
+                           after.num_draft_tokens - b.num_draft_tokens,
+                           after.num_accepted_tokens - b.num_accepted_tokens)
+    return {"spec_num_drafts": run.num_drafts, "spec_num_draft_tokens": run.num_draft_tokens,
+            "spec_num_accepted_tokens": run.num_accepted_tokens,
+            "spec_acceptance_rate": run.acceptance_rate,
+            "spec_mean_accepted_length": run.mean_accepted_length}
+
+
 def split_backends(text: str) -> list[str]:
-    """``--backends`` -> names; a comma inside ``[...]`` belongs to a variant's settings."""
+    """``--backends`` -> names; a comma inside ``[...]`` belongs to a variant's settings (and
+    one inside ``{...}`` to a JSON value among them)."""
     names, depth, cur = [], 0, ""
     for ch in text:
-        depth += (ch == "[") - (ch == "]")
+        depth += (ch in "[{") - (ch in "]}")
         if ch == "," and depth == 0:
             names.append(cur.strip())
             cur = ""
@@ -179,7 +201,7 @@ def split_backends(text: str) -> list[str]:
 
 def parse_backend(spec: str) -> tuple[str, dict[str, Any]]:
     """``pagedllm[max_num_seqs=128,fused_ops=false]`` -> ("pagedllm", {"max_num_seqs": 128,
-    "fused_ops": False}): an engine backend with some engine settings changed (values read as
+    "fused_ops": False}) (``speculative_config={"method":"ngram",...}`` too): an engine backend with some engine settings changed (values read as
     JSON, else as strings), so that settings are compared interleaved in one run."""
     import json
 
@@ -190,7 +212,7 @@ def parse_backend(spec: str) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"--backends {spec!r}: a variant is pagedllm[name=value,...] or "
                          f"contiguous[name=value,...] (engine setting names, as the flags)")
     over: dict[str, Any] = {}
-    for item in filter(None, (x.strip() for x in rest[:-1].split(","))):
+    for item in split_backends(rest[:-1]):  # JSON values may hold commas
         key, eq, val = item.partition("=")
         if not eq:
             raise ValueError(f"--backends {spec!r}: {item!r} is not name=value")

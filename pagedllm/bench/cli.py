@@ -40,7 +40,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _workload_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
     g = p.add_argument_group("workload (seeded; see pagedllm.bench.workload)")
-    g.add_argument("--workload", choices=["longtail", "fixed", "chat", "trace"], default="longtail")
+    g.add_argument("--workload", choices=["longtail", "fixed", "chat", "trace", "code"], default="longtail")
     g.add_argument("--num-prompts", type=int, default=num_prompts)
     g.add_argument("--trace", default=None, help="JSONL trace for --workload trace")
     g.add_argument("--prompt-median", type=float, default=96.0, help="longtail: median prompt length")

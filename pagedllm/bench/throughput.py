@@ -123,6 +123,12 @@ def report_throughput(res: dict[str, Any], output_dir: Path, output_json: Path |
     for pair, m in res["greedy_output_agreement"].items():
         print(f"greedy outputs identical {pair}: {m:.0%}")
     for r in res["results"]:
+        if "spec_num_draft_tokens" in r:  # a speculating engine: its fastest run's counts
+            print(f"{r['backend']}: speculation accepted {r['spec_num_accepted_tokens']} of "
+                  f"{r['spec_num_draft_tokens']} proposed tokens (rate "
+                  f"{r['spec_acceptance_rate']:.2f}), {r['spec_mean_accepted_length']:.2f} "
+                  f"tokens per verification")
+    for r in res["results"]:
         if "grammar_mask_s" in r:
             print(f"{r['backend']}: grammar masks {r['grammar_mask_s']:.3f} s computed, "
                   f"{r['grammar_wait_s']:.3f} s of it waited for")

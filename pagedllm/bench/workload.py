@@ -15,6 +15,10 @@ shape of ShareGPT-style traces, which is what a max-length reservation wastes me
 system prompt; turn k's prompt is system + (user, assistant) * (k-1) + user, the history made of
 synthetic tokens, so later turns hit the prefix cache.
 
+``code``: ``--input-len`` token windows from the middle of the shipped model's held-out source
+files (``bench.latency.code_prompts``), ``--output-len`` tokens each: text that repeats its own
+context, where speculative decoding's prompt lookup pays.
+
 ``trace``: JSONL lines ``{"prompt": str | "prompt_token_ids": [int], "max_tokens": int,
 "arrival_time": float?}`` (seconds from the start).
 """
@@ -28,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-WORKLOADS = ("longtail", "fixed", "chat", "trace")
+WORKLOADS = ("longtail", "fixed", "chat", "trace", "code")
 
 
 @dataclass
@@ -72,6 +76,7 @@ class WorkloadSpec:
             "fixed": ("input_len", "output_len"),
             "chat": ("system_len", "turns", "user_len", "output_len"),
             "trace": ("trace",),
+            "code": ("input_len", "output_len"),
         }[self.kind]
         return {k: d[k] for k in ("kind", "num_prompts", "seed", "max_model_len", *keep)}
 
@@ -113,6 +118,14 @@ def make_workload(spec: WorkloadSpec, vocab: list[int], tokenizer: Any = None) -
                 for _ in range(spec.num_prompts)]
     if spec.kind == "chat":
         return _chat(spec, rng, vocab)
+    if spec.kind == "code":  # the shipped model's held-out source: text that repeats itself
+        from pagedllm.bench.latency import code_prompts
+
+        if tokenizer is None or spec.input_len + spec.output_len > limit:
+            raise ValueError("--workload code needs a tokenizer and --input-len + --output-len "
+                             f"within max_model_len={limit}")
+        return [BenchRequest(p, spec.output_len)
+                for p in code_prompts(tokenizer, spec.num_prompts, spec.input_len)]
     if spec.kind == "trace":
         if not spec.trace:
             raise ValueError("--workload trace needs --trace FILE (JSONL)")

@@ -38,3 +38,27 @@ def test_code_prompts_come_from_the_heldout_split() -> None:
     tok = get_tokenizer(default_model_path())
     ps = code_prompts(tok, 3, 64)
     assert len(ps) == 3 and all(len(p) == 64 for p in ps) and ps[0] != ps[1]
+
+
+def test_bench_throughput_with_speculation_on_code(tmp_path: Path,
+                                                   capsys: object) -> None:
+    """A speculating variant (its JSON holds commas) beside the plain engine on the code
+    workload: its row carries the run's proposals and acceptance, printed too."""
+    from pagedllm.config import default_model_path
+
+    out = tmp_path / "tp.json"
+    variant = ('pagedllm[speculative_config={"method": "ngram", "num_speculative_tokens": 3},'
+               'max_num_seqs=4]')
+    assert main(["bench", "throughput", "--model", default_model_path(), "--backends",
+                 f"pagedllm,{variant}", "--workload", "code", "--num-prompts", "4",
+                 "--input-len", "96", "--output-len", "24", "--reps", "1", "--warmup", "1",
+                 "--no-plot", "--output-dir", str(tmp_path), "--output-json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = {r["backend"]: r for r in res["results"]}
+    assert list(rows) == ["pagedllm", variant] and "spec_num_draft_tokens" not in rows["pagedllm"]
+    on = rows[variant]
+    assert 0 < on["spec_num_accepted_tokens"] <= on["spec_num_draft_tokens"]
+    assert on["spec_acceptance_rate"] == on["spec_num_accepted_tokens"] / on["spec_num_draft_tokens"]
+    assert res["workload"]["kind"] == "code" and res["workload"]["prompt_lens"]["max"] == 96
+    assert res["greedy_output_agreement"][f"pagedllm/{variant}"] == 1.0
+    assert "speculation accepted" in capsys.readouterr().out  # type: ignore[attr-defined]
