@@ -26,27 +26,14 @@ from typing import Any
 
 from pagedllm.bench.harness import interleaved, timing
 from pagedllm.bench.report import format_table, machine_info, plot, write_json
+from pagedllm.bench.workload import code_prompts
+
+__all__ = ["code_prompts", "random_prompts", "report_latency", "run_latency"]
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 1}
 COLUMNS = ("batch", "speculation", "output_tokens_per_s", "decode_tokens_per_s", "ratio_output",
            "ratio_decode", "acceptance_rate", "mean_accepted_length")
-
-
-def code_prompts(tokenizer: Any, n: int, prompt_len: int) -> list[list[int]]:
-    """``n`` windows of ``prompt_len`` tokens, one from the middle of each held-out file long
-    enough (files reused when there are fewer)."""
-    from pagedllm.bench.quant_eval import heldout_texts
-
-    out = []
-    for text in heldout_texts(limit=200):
-        ids = tokenizer.encode(text)
-        if len(ids) >= prompt_len:
-            mid = (len(ids) - prompt_len) // 2
-            out.append(ids[mid: mid + prompt_len])
-    if not out:
-        raise ValueError(f"no held-out file has --prompt-len {prompt_len} tokens; lower it")
-    return [out[i % len(out)] for i in range(n)]
 
 
 def random_prompts(vocab_size: int, n: int, prompt_len: int, seed: int) -> list[list[int]]:

@@ -16,7 +16,7 @@ system prompt; turn k's prompt is system + (user, assistant) * (k-1) + user, the
 synthetic tokens, so later turns hit the prefix cache.
 
 ``code``: ``--input-len`` token windows from the middle of the shipped model's held-out source
-files (``bench.latency.code_prompts``), ``--output-len`` tokens each: text that repeats its own
+files (``code_prompts``), ``--output-len`` tokens each: text that repeats its own
 context, where speculative decoding's prompt lookup pays.
 
 ``trace``: JSONL lines ``{"prompt": str | "prompt_token_ids": [int], "max_tokens": int,
@@ -119,8 +119,6 @@ def make_workload(spec: WorkloadSpec, vocab: list[int], tokenizer: Any = None) -
     if spec.kind == "chat":
         return _chat(spec, rng, vocab)
     if spec.kind == "code":  # the shipped model's held-out source: text that repeats itself
-        from pagedllm.bench.latency import code_prompts
-
         if tokenizer is None or spec.input_len + spec.output_len > limit:
             raise ValueError("--workload code needs a tokenizer and --input-len + --output-len "
                              f"within max_model_len={limit}")
@@ -178,6 +176,22 @@ def load_trace(path: str | Path, tokenizer: Any = None, limit: int | None = None
         if limit is not None and len(out) == limit:
             break
     return out
+
+
+def code_prompts(tokenizer: Any, n: int, prompt_len: int) -> list[list[int]]:
+    """``n`` windows of ``prompt_len`` tokens, one from the middle of each held-out file long
+    enough (files reused when there are fewer)."""
+    from pagedllm.bench.quant_eval import heldout_texts
+
+    out = []
+    for text in heldout_texts(limit=200):
+        ids = tokenizer.encode(text)
+        if len(ids) >= prompt_len:
+            mid = (len(ids) - prompt_len) // 2
+            out.append(ids[mid: mid + prompt_len])
+    if not out:
+        raise ValueError(f"no held-out file has --prompt-len {prompt_len} tokens; lower it")
+    return [out[i % len(out)] for i in range(n)]
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
