@@ -1,11 +1,14 @@
 """The fast CPU attention backend.
 
-Decode tokens (query_len == 1) go to the C++ kernel ``torch.ops.pagedllm.paged_decode``
-(pagedllm/kernels/csrc/paged_attention.cpp) when it is available: one call per layer for every
-decode request of the step, reading K/V rows in place through the block table (no gather copy),
-online softmax in fp32, parallel over (request, kv head). Prefill chunks (query_len > 1) are one
-SDPA call each over the request's gathered context (below). Without the kernel (no compiler,
-``PAGEDLLM_CPU_KERNELS=0``, or ``CpuBackend(use_kernel=False)``), decode takes the SDPA path below.
+Every request of the step, decode tokens and prefill chunks alike, goes to the C++ kernel
+``torch.ops.pagedllm.paged_attention`` (pagedllm/kernels/csrc/paged_attention.cpp) when it is
+available: one call per layer, reading K/V rows in place through the block table (no gather
+copy, no cast: bf16 / fp16 rows are widened in registers), online softmax in fp32, causal per
+query token, parallel over (request, 16 query tokens, kv heads). Measured against the SDPA path
+below (1 thread, 12 q / 4 kv heads, head_dim 64, one fresh prompt of n tokens, busy machine):
+n = 64: 0.11 vs 0.20 ms (fp32), 0.09 vs 0.21 (bf16); n = 512: 11.0 vs 19.4 ms (fp32), 7.0 vs
+19.2 (bf16). Without the kernel (no compiler, ``PAGEDLLM_CPU_KERNELS=0``, or
+``CpuBackend(use_kernel=False)``), every request takes the SDPA path.
 
 SDPA path: decode tokens (query_len == 1) of consecutive requests are batched into one SDPA call over their
 gathered blocks, in groups whose gathered K stays under ``decode_group_bytes`` (see below); each
@@ -66,7 +69,7 @@ def gather_blocks(
     return flat.index_select(0, index).view(-1, bs, h, d).float()
 
 
-def paged_decode(
+def paged_attention(
     q: torch.Tensor,
     k_cache: KVCacheTensor,
     v_cache: KVCacheTensor,
@@ -74,17 +77,19 @@ def paged_decode(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
+    max_query_len: int,
 ) -> None:
-    """``out`` rows of every decode request (query_len == 1) of the step, through the C++
-    kernel; other rows are left as they are. q/out [T, Hq, D] (fp32/fp16/bf16), caches
-    [num_blocks, block_size, Hkv, D] plain (fp32/fp16/bf16) or ``QuantizedKV`` (int8/fp8);
-    the kernel checks shapes, dtypes and strides."""
+    """``out`` rows of every request of the step with at most ``max_query_len`` query tokens
+    (1: decode only), through the C++ kernel; other rows are left as they are. q/out
+    [T, Hq, D] (fp32/fp16/bf16), caches [num_blocks, block_size, Hkv, D] plain
+    (fp32/fp16/bf16) or ``QuantizedKV`` (int8/fp8); the kernel checks shapes, dtypes and
+    strides."""
     def parts(c: KVCacheTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         return (c.data, c.scale) if isinstance(c, QuantizedKV) else (c, None)
 
-    torch.ops.pagedllm.paged_decode(
+    torch.ops.pagedllm.paged_attention(
         q, *parts(k_cache), *parts(v_cache), meta.block_tables, meta.seq_lens,
-        meta.query_start_loc, out, scale, sliding_window)
+        meta.query_start_loc, out, scale, sliding_window, max_query_len)
 
 
 class CpuBackend(AttentionBackend):
@@ -104,7 +109,6 @@ class CpuBackend(AttentionBackend):
         self._workspace = torch.empty(2, 0)
         self._plan_meta: AttentionMetadata | None = None
         self._plan: list[tuple[bool, list[int], int]] = []
-        self._plan_has_decode = False
 
     def _decode_buffers(self, numel: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """K and V gather buffers of ``numel`` fp32 elements, or None past ``workspace_bytes``."""
@@ -129,14 +133,14 @@ class CpuBackend(AttentionBackend):
         assert q.shape[1] % k_cache.shape[2] == 0 and q.shape[2] == k_cache.shape[3]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        plan = self._step_plan(meta, k_cache.shape[2] * k_cache.shape[3] * 4)
-        if self.use_kernel and self._plan_has_decode:  # every decode request in one call
-            paged_decode(q, k_cache, v_cache, meta, scale, sliding_window, out)
-        for decode, reqs, max_len in plan:
-            if not decode:
-                self._prefill(q, out, k_cache, v_cache, meta, reqs[0], scale, sliding_window)
-            elif not self.use_kernel:
+        if self.use_kernel:  # every request of the step, decode and prefill, in one call
+            paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, out, q.shape[0])
+            return out
+        for decode, reqs, max_len in self._step_plan(meta, k_cache.shape[2] * k_cache.shape[3] * 4):
+            if decode:
                 self._decode(q, out, k_cache, v_cache, meta, reqs, max_len, scale, sliding_window)
+            else:
+                self._prefill(q, out, k_cache, v_cache, meta, reqs[0], scale, sliding_window)
         return out
 
     def _step_plan(self, meta: AttentionMetadata, row_bytes: int) -> list[tuple[bool, list[int], int]]:
@@ -166,7 +170,6 @@ class CpuBackend(AttentionBackend):
             elif n > 1:
                 plan.append((False, [i], 0))
         self._plan_meta, self._plan = meta, plan
-        self._plan_has_decode = any(decode for decode, _, _ in plan)
         return plan
 
     def _decode(

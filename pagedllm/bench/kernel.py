@@ -23,8 +23,9 @@ peak (``frac_peak``, None where the GPU is not in the table or on CPU) and of a 
 device copy (``frac_copy``); prefill ``paged_TFLOPs`` = causal attention FLOPs
 (4 x Hq x D x L(L+1)/2) / time, and the same for contiguous SDPA.
 
-CPU backend only: ``decode_path`` says which decode ran (``kernel``: the C++ kernel that reads
-blocks in place; ``sdpa``: the fallback, PAGEDLLM_CPU_KERNELS=0 or no compiler); ``gather_ms``
+CPU backend only: ``decode_path`` says which path ran, decode and prefill alike (``kernel``: the
+C++ kernel that reads blocks in place; ``sdpa``: the fallback, PAGEDLLM_CPU_KERNELS=0 or no
+compiler); ``gather_ms``
 times the block-table gather of K and V alone (what the SDPA fallback copies into a dense tensor
 before SDPA, the part of its paged time contiguous skips);
 ``contiguous_masked_ms`` is contiguous decode with the boolean length mask that a batch of ragged

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_backends import HEADS, TOL, compare_with_torch_ref, cpu_backend, make_batch
 
-from pagedllm.attention.cpu import CpuBackend, paged_decode
+from pagedllm.attention.cpu import CpuBackend, paged_attention
 from pagedllm.attention.quant import QuantizedKV, quantize
 from pagedllm.attention.torch_ref import TorchRefBackend
 
@@ -43,6 +43,19 @@ def test_dtypes_dims_windows(kernel: CpuBackend, head_dim: int, dtype: torch.dty
                              window: int | None) -> None:
     reqs = [*DECODES, (5, 3), (40, 1), (0, 6)]  # with prefill chunks in the batch
     compare_with_torch_ref(kernel, reqs, 16, 8, 2, head_dim, dtype, window, seed=head_dim)
+
+
+# Prefill chunks through the kernel: over several 16-token query chunks and 64-position tiles,
+# fresh and after a cached prefix, beside decodes; windows shorter and longer than a chunk.
+PREFILLS = [(0, 37), (20, 1), (100, 50), (0, 1), (5, 16), (64, 17), (0, 130), (3, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 1, 7, 100])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_prefill_chunks(kernel: CpuBackend, dtype: torch.dtype, window: int | None,
+                        block_size: int) -> None:
+    compare_with_torch_ref(kernel, PREFILLS, block_size, 12, 4, 64, dtype, window, seed=block_size)
 
 
 I8, E4, E5 = torch.int8, torch.float8_e4m3fn, torch.float8_e5m2
@@ -83,7 +96,7 @@ def test_online_softmax_across_tiles(kernel: CpuBackend) -> None:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("reqs", [DECODES, [(200, 1)]])  # one request: its kv heads are split
+@pytest.mark.parametrize("reqs", [DECODES, [(200, 1)], PREFILLS])  # (200, 1): kv heads split
 def test_same_bits_at_any_thread_count(kernel: CpuBackend, reqs: list[tuple[int, int]]) -> None:
     gen = torch.Generator().manual_seed(4)
     meta, nb = make_batch(reqs, 16, gen)
@@ -95,7 +108,7 @@ def test_same_bits_at_any_thread_count(kernel: CpuBackend, reqs: list[tuple[int,
         for n in (1, 2, 3):
             torch.set_num_threads(n)
             out = torch.zeros_like(q)
-            paged_decode(q, kc, vc, meta, 0.125, None, out)
+            paged_attention(q, kc, vc, meta, 0.125, None, out, meta.num_tokens)
             outs.append(out)
     finally:
         torch.set_num_threads(threads)
@@ -104,7 +117,7 @@ def test_same_bits_at_any_thread_count(kernel: CpuBackend, reqs: list[tuple[int,
 
 def test_strided_caches_and_untouched_prefill_rows(kernel: CpuBackend) -> None:
     """Caches with padded strides (a view into a bigger allocation) are read through their
-    strides; rows of prefill requests are not written by the decode op."""
+    strides; rows of requests with more query tokens than max_query_len are not written."""
     gen = torch.Generator().manual_seed(5)
     reqs = [(10, 1), (0, 4), (33, 1)]
     meta, nb = make_batch(reqs, 4, gen)
@@ -112,13 +125,15 @@ def test_strided_caches_and_untouched_prefill_rows(kernel: CpuBackend) -> None:
     kc, vc = big[0, :, :, :2, :64], big[1, :, :, 1:, 8:72]  # [nb, 4, 2, 64], strided
     q = torch.randn(meta.num_tokens, 4, 64, generator=gen)
     out = torch.full_like(q, float("nan"))
-    paged_decode(q, kc, vc, meta, 0.125, None, out)
+    paged_attention(q, kc, vc, meta, 0.125, None, out, 1)
     # torch_ref writes the new tokens' K/V first: give it what their slots already hold
     k_new, v_new = (c.reshape(-1, 2, 64)[meta.slot_mapping] for c in (kc, vc))
     ref = TorchRefBackend().forward(q, k_new, v_new, kc.contiguous(), vc.contiguous(), meta, 0.125)
     decode_rows = [0, 5]
     torch.testing.assert_close(out[decode_rows], ref[decode_rows], atol=1e-5, rtol=1e-5)
     assert out[1:5].isnan().all()
+    paged_attention(q, kc, vc, meta, 0.125, None, out, 4)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_errors_name_the_problem(kernel: CpuBackend) -> None:
@@ -128,17 +143,18 @@ def test_errors_name_the_problem(kernel: CpuBackend) -> None:
     kc, vc = torch.randn(2, nb, 4, 2, 32)
     meta.block_tables = meta.block_tables.long()
     with pytest.raises(RuntimeError, match="int32"):
-        paged_decode(q, kc, vc, meta, 1.0, None, torch.empty_like(q))
+        paged_attention(q, kc, vc, meta, 1.0, None, torch.empty_like(q), 1)
     meta, nb = make_batch([(5, 1)], 4, gen)
     data, scale = quantize(kc, torch.int8)
     with pytest.raises(RuntimeError, match="needs its scales"):
-        torch.ops.pagedllm.paged_decode(q, data, None, vc, None, meta.block_tables, meta.seq_lens,
-                                        meta.query_start_loc, torch.empty_like(q), 1.0, None)
+        torch.ops.pagedllm.paged_attention(q, data, None, vc, None, meta.block_tables,
+                                           meta.seq_lens, meta.query_start_loc,
+                                           torch.empty_like(q), 1.0, None, 1)
     meta.seq_lens = torch.tensor([100], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="does not fit its block table"):
-        paged_decode(q, kc, vc, meta, 1.0, None, torch.empty_like(q))
+        paged_attention(q, kc, vc, meta, 1.0, None, torch.empty_like(q), 1)
     with pytest.raises(RuntimeError, match="heads"):
-        paged_decode(torch.randn(1, 3, 32), kc, vc, meta, 1.0, None, torch.empty(1, 3, 32))
+        paged_attention(torch.randn(1, 3, 32), kc, vc, meta, 1.0, None, torch.empty(1, 3, 32), 1)
 
 
 # -- the build: cache, fallback ---------------------------------------------------------------

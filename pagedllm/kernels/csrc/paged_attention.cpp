@@ -120,21 +120,34 @@ struct Problem {
   const int32_t* tables;
   int64_t table_stride, block_size, group, d;
   float scale;
+  std::optional<int64_t> window;
   Kind q_kind, out_kind;
   bool q_bf16;  // scores take q as bf16, unscaled (dpbf16_scores)
   ScoresFn scores;
   ValuesFn values;
 };
 
-// Request r (query row `row`, positions [lo, hi)), kv heads [h0, h1): out rows of their query
-// heads. Query head j = h * group + g of kv head h (HF's repeat_kv order) is local row
-// (h - h0) * group + g of the scratch buffers.
-void attend(const Problem& pb, Scratch& s, int64_t r, int64_t row, int64_t lo, int64_t hi,
-            int64_t h0, int64_t h1) {
-  const int64_t d = pb.d, gn = pb.group, nq = (h1 - h0) * gn;
+// One work item: query tokens [t0, t1) of request r (token t at position base + t, query row
+// row0 + t), kv heads [h0, h1).
+struct Item {
+  int64_t r, row0, base, t0, t1, h0, h1;
+};
+
+// Positions token t may attend: [lo, base + t + 1), lo = 0 or the window's first.
+int64_t first_pos(const Problem& pb, int64_t pos) {
+  return pb.window ? std::max<int64_t>(0, pos + 1 - *pb.window) : 0;
+}
+
+// The out rows of item `it`. Scratch row of (kv head h, token t, group member g) is
+// ((h - h0) * nt + (t - t0)) * group + g: each kv head's query rows are one block, scored
+// together against its K rows. Query head h * group + g is HF's repeat_kv order.
+void attend(const Problem& pb, Scratch& s, const Item& it) {
+  const int64_t d = pb.d, gn = pb.group, nt = it.t1 - it.t0, rows = nt * gn;
+  const int64_t nq = (it.h1 - it.h0) * rows;
   for (int64_t j = 0; j < nq; ++j) {  // q pre-scaled by the softmax scale, in fp32 (or bf16 as is)
+    const int64_t hg = it.h0 * gn + j / rows * gn + j % gn, t = it.t0 + j % rows / gn;
     const char* src = static_cast<const char*>(pb.q.data_ptr()) +
-                      (row * pb.q.stride(0) + (h0 * gn + j) * pb.q.stride(1)) * pb.q.element_size();
+                      ((it.row0 + t) * pb.q.stride(0) + hg * pb.q.stride(1)) * pb.q.element_size();
     if (pb.q_bf16)
       std::memcpy(s.qb.data() + j * d, src, d * sizeof(c10::BFloat16));
     else
@@ -143,7 +156,8 @@ void attend(const Problem& pb, Scratch& s, int64_t r, int64_t row, int64_t lo, i
     s.l[j] = 0.0f;
   }
   std::fill(s.acc.begin(), s.acc.begin() + nq * d, 0.0f);
-  const int32_t* table = pb.tables + r * pb.table_stride;
+  const int32_t* table = pb.tables + it.r * pb.table_stride;
+  const int64_t lo = first_pos(pb, it.base + it.t0), hi = it.base + it.t1;
   for (int64_t p0 = lo; p0 < hi; p0 += TILE) {
     const int64_t n = std::min(TILE, hi - p0), n16 = (n + 15) / 16 * 16;
     for (int64_t i = 0, bi = p0 / pb.block_size, off = p0 % pb.block_size; i < n; ++i) {
@@ -152,53 +166,62 @@ void attend(const Problem& pb, Scratch& s, int64_t r, int64_t row, int64_t lo, i
       if (++off == pb.block_size) off = 0, ++bi;
     }
     const int64_t p1 = std::min(hi, p0 + 2 * TILE);
-    prefetch_rows(pb.k, table, pb.block_size, p0 + n, p1, h0, h1, d);
-    prefetch_rows(pb.v, table, pb.block_size, p0 + n, p1, h0, h1, d);
-    for (int64_t h = h0; h < h1; ++h) {
-      const int64_t j0 = (h - h0) * gn;
+    prefetch_rows(pb.k, table, pb.block_size, p0 + n, p1, it.h0, it.h1, d);
+    prefetch_rows(pb.v, table, pb.block_size, p0 + n, p1, it.h0, it.h1, d);
+    for (int64_t h = it.h0; h < it.h1; ++h) {
+      const int64_t j0 = (h - it.h0) * rows;
       float *pj0 = s.p.data() + j0 * TILE, *acc = s.acc.data() + j0 * d;
       tile_rows(pb.k, s, n, n16, h, d, s.kbuf.data(), s.krows.data());
       const void* qj = pb.q_bf16 ? static_cast<const void*>(s.qb.data() + j0 * d)
                                  : static_cast<const void*>(s.q.data() + j0 * d);
-      pb.scores(qj, pb.scale, gn, d, s.krows.data(), n16, pj0);
-      for (int64_t j = j0; j < j0 + gn; ++j) {  // online softmax over the tile
-        float* pj = s.p.data() + j * TILE;
+      pb.scores(qj, pb.scale, rows, d, s.krows.data(), n16, pj0);
+      for (int64_t j = j0; j < j0 + rows; ++j) {  // online softmax over the tile's positions
+        float* pj = s.p.data() + j * TILE;    // [a, b) this token may attend (causal, window)
+        const int64_t pos = it.base + it.t0 + (j - j0) / gn;
+        const int64_t a = std::max<int64_t>(0, first_pos(pb, pos) - p0);
+        const int64_t b = std::min(n, pos + 1 - p0);
+        if (a >= b) {  // nothing here for this row: it keeps its state
+          std::fill(pj, pj + n16, 0.0f);
+          continue;
+        }
         float mx = s.m[j];
-        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, pj[i]);
+        for (int64_t i = a; i < b; ++i) mx = std::max(mx, pj[i]);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; ++i) {
+        for (int64_t i = a; i < b; ++i) {
           pj[i] = exp_approx(pj[i] - mx);
           sum += pj[i];
         }
-        for (int64_t i = n; i < n16; ++i) pj[i] = 0.0f;
+        std::fill(pj, pj + a, 0.0f);
+        std::fill(pj + b, pj + n16, 0.0f);
         float alpha = exp_approx(s.m[j] - mx);
         s.l[j] = s.l[j] * alpha + sum;
         s.m[j] = mx;
         if (alpha != 1.0f) scale_row(s.acc.data() + j * d, alpha, d);
       }
       tile_rows(pb.v, s, n, n16, h, d, s.vbuf.data(), s.vrows.data());
-      pb.values(acc, gn, d, pj0, s.vrows.data(), n16);
+      pb.values(acc, rows, d, pj0, s.vrows.data(), n16);
     }
   }
   for (int64_t j = 0; j < nq; ++j) {
+    const int64_t hg = it.h0 * gn + j / rows * gn + j % gn, t = it.t0 + j % rows / gn;
     char* dst = static_cast<char*>(pb.out.data_ptr()) +
-                (row * pb.out.stride(0) + (h0 * gn + j) * pb.out.stride(1)) * pb.out.element_size();
+                ((it.row0 + t) * pb.out.stride(0) + hg * pb.out.stride(1)) * pb.out.element_size();
     from_float(pb.out_kind, s.acc.data() + j * d, 1.0f / s.l[j], dst, d);
   }
 }
 
 }  // namespace
 
-// Decode attention for every request with exactly one query token (query_start_loc[i + 1] -
-// query_start_loc[i] == 1); rows of other requests are left untouched in out.
-void paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
-                  const std::optional<at::Tensor>& k_scale, const at::Tensor& v_cache,
-                  const std::optional<at::Tensor>& v_scale, const at::Tensor& block_tables,
-                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, at::Tensor out,
-                  double scale, std::optional<int64_t> sliding_window) {
+// Attention for every request with at most max_query_len query tokens (the last ones of its
+// sequence, causal; 1 = decode only); rows of other requests are left untouched in out.
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                     const std::optional<at::Tensor>& k_scale, const at::Tensor& v_cache,
+                     const std::optional<at::Tensor>& v_scale, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, at::Tensor out,
+                     double scale, std::optional<int64_t> sliding_window, int64_t max_query_len) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
-              "paged_decode runs on CPU tensors");
+              "paged_attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, Hq, D], contiguous last dim");
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.scalar_type() == q.scalar_type(),
               "out must be like q");
@@ -220,29 +243,36 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t block_size = k_cache.size(1), max_blocks = block_tables.size(1);
+  const CacheView kv = view_of(k_cache, k_scale, "k"), vv = view_of(v_cache, v_scale, "v");
+  const bool q_bf16 = q_kind == Kind::BF16 && dpbf16_scores(row_kind(kv.kind), d);
+  Problem pb{q, out, kv, vv, block_tables.data_ptr<int32_t>(), block_tables.stride(0), block_size,
+             hq / hkv, d, static_cast<float>(scale), sliding_window, q_kind, q_kind, q_bf16,
+             scores_fn(row_kind(kv.kind), d, q_bf16), values_fn(row_kind(vv.kind), d)};
 
-  // Work items: (decode request, range of kv heads), all heads of a request in one item (its
-  // K/V rows read in address order) unless there are fewer requests than threads.
-  struct Item {
-    int64_t r, row, lo, hi;
-  };
-  std::vector<Item> reqs;
+  // Work items: (request, QCHUNK of its query tokens), all kv heads in one item (its K/V rows
+  // read in address order) unless there are fewer such items than threads.
+  constexpr int64_t QCHUNK = 16;
+  std::vector<Item> chunks;
   for (int64_t r = 0; r < num_reqs; ++r) {
-    if (qsl[r + 1] - qsl[r] != 1) continue;
-    int64_t hi = lens[r], lo = sliding_window ? std::max<int64_t>(0, hi - *sliding_window) : 0;
-    TORCH_CHECK(hi >= 1 && hi <= max_blocks * block_size, "seq_lens[", r, "] = ", hi,
-                " does not fit its block table");
-    reqs.push_back({r, qsl[r], lo, hi});
+    const int64_t nt = qsl[r + 1] - qsl[r], len = lens[r];
+    if (nt < 1 || nt > max_query_len) continue;
+    TORCH_CHECK(len >= nt && len <= max_blocks * block_size, "seq_lens[", r, "] = ", len,
+                " does not fit its block table or its ", nt, " query tokens");
+    for (int64_t t0 = 0; t0 < nt; t0 += QCHUNK)
+      chunks.push_back({r, qsl[r], len - nt, t0, std::min(nt, t0 + QCHUNK), 0, hkv});
   }
-  if (reqs.empty()) return;
-  const int64_t threads = at::get_num_threads(), nr = static_cast<int64_t>(reqs.size());
-  const int64_t splits = std::min(hkv, (threads + nr - 1) / nr);
-  const int64_t per = (hkv + splits - 1) / splits, n_items = nr * splits;
-  std::vector<int64_t> cost(n_items + 1, 0);  // prefix sums of positions read, + an overhead
-  for (int64_t i = 0; i < n_items; ++i) {
-    const Item& it = reqs[i / splits];
-    cost[i + 1] = cost[i] + (it.hi - it.lo + 16) * per;
-  }
+  if (chunks.empty()) return;
+  const int64_t threads = at::get_num_threads(), nc = static_cast<int64_t>(chunks.size());
+  const int64_t splits = std::min(hkv, (threads + nc - 1) / nc), per = (hkv + splits - 1) / splits;
+  std::vector<Item> items;
+  std::vector<int64_t> cost{0};  // prefix sums of (positions read + an overhead) x query rows
+  for (const Item& c : chunks)
+    for (int64_t h0 = 0; h0 < hkv; h0 += per) {
+      items.push_back({c.r, c.row0, c.base, c.t0, c.t1, h0, std::min(hkv, h0 + per)});
+      const int64_t span = c.base + c.t1 - first_pos(pb, c.base + c.t0);
+      cost.push_back(cost.back() + (span + 16) * (c.t1 - c.t0) * per);
+    }
+  const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t n_chunks = std::min(threads, n_items);
   std::vector<int64_t> bounds(n_chunks + 1, n_items);
   bounds[0] = 0;
@@ -250,18 +280,10 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
     while (i < n_items && cost[i] * n_chunks < cost[n_items] * c) ++i;
     bounds[c] = i;
   }
-  const CacheView kv = view_of(k_cache, k_scale, "k"), vv = view_of(v_cache, v_scale, "v");
-  const bool q_bf16 = q_kind == Kind::BF16 && dpbf16_scores(row_kind(kv.kind), d);
-  Problem pb{q, out, kv, vv, block_tables.data_ptr<int32_t>(), block_tables.stride(0), block_size,
-             hq / hkv, d, static_cast<float>(scale), q_kind, q_kind, q_bf16,
-             scores_fn(row_kind(kv.kind), d, q_bf16), values_fn(row_kind(vv.kind), d)};
+  const int64_t max_rows = per * pb.group * std::min(QCHUNK, max_query_len);
   at::parallel_for(0, n_chunks, 1, [&](int64_t c0, int64_t c1) {
-    Scratch s(per * pb.group, d);
-    for (int64_t i = bounds[c0]; i < bounds[c1]; ++i) {
-      const Item& it = reqs[i / splits];
-      const int64_t h0 = (i % splits) * per;
-      if (h0 < hkv) attend(pb, s, it.r, it.row, it.lo, it.hi, h0, std::min(hkv, h0 + per));
-    }
+    Scratch s(max_rows, d);
+    for (int64_t i = bounds[c0]; i < bounds[c1]; ++i) attend(pb, s, items[i]);
   });
 }
 
@@ -269,8 +291,8 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def(
-      "paged_decode(Tensor q, Tensor k_cache, Tensor? k_scale, Tensor v_cache, Tensor? v_scale, "
+      "paged_attention(Tensor q, Tensor k_cache, Tensor? k_scale, Tensor v_cache, Tensor? v_scale, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor(a!) out, float scale, "
-      "int? sliding_window) -> ()",
-      &pagedllm::paged_decode);
+      "int? sliding_window, int max_query_len) -> ()",
+      &pagedllm::paged_attention);
 }
