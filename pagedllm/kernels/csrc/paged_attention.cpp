@@ -1,19 +1,23 @@
-// Paged decode attention on CPU, reading K/V rows in place through the block table.
+// Paged attention on CPU (decode tokens and prefill chunks), reading K/V rows in place through
+// the block table.
 //
-// One work item = (decode request r, kv heads [h0, h1)): all of r's kv heads unless there are
-// fewer requests than threads. Over positions [lo, L) of r (lo = L - window with a sliding
-// window, else 0), in tiles of TILE positions, for each kv head h: point at the tile's K rows
-// (fp32 / fp16 / bf16 rows are read where they lie and widened in registers; int8 / fp8 rows are
-// converted, times their scale, into an fp32 buffer that stays in L1), score them against h's
-// G = Hq / Hkv query heads (attention_tile.h), update the online softmax (running max m, sum l,
-// fp32 accumulator rescaled by exp(m_old - m_new)), then accumulate the tile's V rows.
+// One work item = (request r, up to 16 of its query tokens, kv heads [h0, h1)): all of r's kv
+// heads unless there are fewer items than threads. Query token t at position pos attends
+// [lo, pos] (lo = pos + 1 - window with a sliding window, else 0); an item walks the union of
+// its tokens' ranges in tiles of TILE positions, and for each kv head h: points at the tile's K
+// rows (fp32 / fp16 / bf16 rows are read where they lie and widened in registers; int8 / fp8
+// rows are converted, times their scale, into an fp32 buffer that stays in L1), scores them
+// against the item's query rows of h (tokens x G = Hq / Hkv query heads, attention_tile.h),
+// updates each row's online softmax over the positions it may attend (running max m, sum l,
+// fp32 accumulator rescaled by exp(m_old - m_new)), then accumulates the tile's V rows.
 //
 //   position p of request r:  block = block_tables[r, p / block_size], offset = p % block_size
 //   K row (p, h) = k_cache[block, offset, h, :]   (strides from the tensor; last dim contiguous)
 //
 // Work items are split over at::parallel_for threads in contiguous ranges of roughly equal cost
-// (positions read), so a batch of ragged lengths does not leave a thread idle. Each item's
-// arithmetic does not depend on the split: the output has the same bits at any thread count.
+// (positions read x query rows), so a batch of ragged lengths does not leave a thread idle.
+// Each item's arithmetic does not depend on the split: the output has the same bits at any
+// thread count.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
