@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+Decode = Callable[[list[int], bool], str]  # (token ids, skip_special_tokens) -> text
+_decoders: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, Decode] = weakref.WeakKeyDictionary()
 
 
 def get_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -22,6 +27,33 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, config_eos: tuple[int, ...
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))
+
+
+def decoder(tokenizer: PreTrainedTokenizerBase) -> Decode:
+    """``tokenizer.decode`` as a function, cached per tokenizer. For a transformers fast
+    tokenizer whose ``decode`` is the library's own and that asks for no clean-up of spaces, the Rust
+    tokenizer's ``decode`` directly: the same text (``TokenizersBackend._decode`` calls exactly
+    it) without transformers' per-call Python (argument conversion, dispatch; ~3x the cost of
+    the decode itself on the short windows detokenization decodes every token)."""
+    fn = _decoders.get(tokenizer)
+    if fn is None:
+        fn = _rust_decode(tokenizer) or (lambda ids, skip: str(tokenizer.decode(
+            ids, skip_special_tokens=skip)))
+        _decoders[tokenizer] = fn
+    return fn
+
+
+def _rust_decode(tok: PreTrainedTokenizerBase) -> Decode | None:
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # transformers 4: its own decode path
+        return None
+    cls = type(tok)
+    if (not isinstance(tok, TokenizersBackend) or cls.decode is not PreTrainedTokenizerBase.decode
+            or cls._decode is not TokenizersBackend._decode or tok.clean_up_tokenization_spaces):
+        return None
+    rust: Any = tok._tokenizer
+    return lambda ids, skip: str(rust.decode(ids, skip_special_tokens=skip))
 
 
 class IncrementalDetokenizer:
@@ -45,6 +77,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
+        self._decode_fn = decoder(tokenizer)
         self.stop = stop
         self.include_stop = include_stop_str_in_output
         self.skip_special = skip_special_tokens
@@ -56,7 +89,7 @@ class IncrementalDetokenizer:
         self._held: tuple[int, int] = (0, 0)  # (len(text), holdback) when last computed
 
     def _decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special))
+        return self._decode_fn(ids, self.skip_special)
 
     def add_tokens(self, new_ids: list[int]) -> str:
         """Append tokens; return the newly readable text (may be "")."""

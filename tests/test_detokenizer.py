@@ -59,3 +59,28 @@ def test_holdback_covers_a_possible_stop_prefix(byte_tokenizer) -> None:  # type
     d = IncrementalDetokenizer(byte_tokenizer, [], stop=["world"])
     d.add_tokens(byte_tokenizer.encode("hello wor"))
     assert d.text.endswith("wor") and d.holdback() == 3
+
+
+def test_fast_decoder_equals_the_tokenizers_decode(byte_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The detokenizer's decode (the Rust tokenizer's, where transformers would only wrap it) is
+    ``tokenizer.decode``, special tokens skipped or not; a tokenizer that cleans up spaces keeps
+    transformers' path (the clean-up changes the text)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from pagedllm.tokenizer import _rust_decode, decoder
+
+    default = AutoTokenizer.from_pretrained(Path(__file__).parents[1] / "pagedllm/assets/default_model")
+    cleaned = AutoTokenizer.from_pretrained(Path(__file__).parents[1] / "pagedllm/assets/default_model",
+                                            clean_up_tokenization_spaces=True)
+    assert _rust_decode(byte_tokenizer) is not None and _rust_decode(default) is not None
+    assert _rust_decode(cleaned) is None
+    rng = random.Random(0)
+    for tok in (byte_tokenizer, default, cleaned):
+        fn = decoder(tok)
+        assert decoder(tok) is fn  # built once per tokenizer
+        for _ in range(200):
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 8))]
+            for skip in (True, False):
+                assert fn(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
