@@ -49,7 +49,9 @@ class RunResult:
 
 class EngineBackend:
     """pagedllm's engine; ``policy`` "paged" (the default scheduler) or "contiguous";
-    ``json_schema``: every request's output follows it (structured outputs)."""
+    ``json_schema``: every request's output follows it (structured outputs). Requests ask for
+    their final output only, as ``LLM.generate`` does (and vLLM's ``LLM.generate``, which its
+    backend runs): no per-step output objects nobody reads."""
 
     def __init__(self, name: str, engine_kwargs: dict[str, Any], policy: str = "paged",
                  json_schema: dict[str, Any] | None = None) -> None:
@@ -67,7 +69,11 @@ class EngineBackend:
         self.json_schema = json_schema
 
     def run(self, reqs: list[BenchRequest]) -> RunResult:
-        from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+        from pagedllm.sampling_params import (
+            RequestOutputKind,
+            SamplingParams,
+            StructuredOutputsParams,
+        )
 
         eng = self.engine
         eng.kv.reset_prefix_cache()  # a repetition must not hit the previous one's blocks
@@ -85,7 +91,8 @@ class EngineBackend:
         t0, c0 = time.perf_counter(), time.process_time()
         for rid, r in zip(ids, reqs):
             params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True,
-                                    structured_outputs=so)
+                                    structured_outputs=so,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
             eng.add_request(rid, {"prompt_token_ids": r.prompt_token_ids}, params)
         while eng.has_unfinished_requests():
             for o in eng.step():
