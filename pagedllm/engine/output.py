@@ -150,7 +150,8 @@ class OutputProcessor:
                 req.first_token_time = now
             for j, t in enumerate(toks):
                 stats.num_generation_tokens += 1
-                self._record_logprobs(req, t)
+                if t.logprob is not None:
+                    self._record_logprobs(req, t)
                 last = j == len(toks) - 1
                 stop_token = last and req.stopped_on_token  # not a stop string or a grammar
                 if not stop_token or req.params.include_stop_str_in_output:
@@ -173,9 +174,10 @@ class OutputProcessor:
 
     # -- logprobs -------------------------------------------------------------------------------
     def _record_logprobs(self, req: Request, tok: SampledToken) -> None:
-        if tok.logprob is not None:
-            req.cumulative_logprob += tok.logprob
-        if req.logprobs is None or tok.logprob is None:
+        """A token sampled with its logprob (``tok.logprob`` is not None)."""
+        assert tok.logprob is not None
+        req.cumulative_logprob += tok.logprob
+        if req.logprobs is None:
             return
         pos: PositionLogprobs = {}
         for rank, (tid, lp) in enumerate(tok.topk, start=1):

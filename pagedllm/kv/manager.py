@@ -117,7 +117,7 @@ class KVCacheManager:
         entry names a block the request holds, so a backend that gathers such a position (it is
         always masked out) reads this request's own K/V, never a freed block being rewritten."""
         ids = self.held_blocks(request_id)
-        return ids[:1] * self._skipped[request_id] + ids
+        return ids[:1] * skip + ids if (skip := self._skipped[request_id]) else ids
 
     def num_blocks_of(self, request_id: str) -> int:
         """Device blocks the request holds (0 if none; placeholders not counted)."""

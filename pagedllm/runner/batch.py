@@ -21,6 +21,7 @@ not, and then the event is what keeps the copy in flight from reading overwritte
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ class HostBatch:
     q_start: np.ndarray  # [B+1] int64
     seq_lens: np.ndarray  # [B] int64
     tables: np.ndarray  # [B, W] int64, right-padded with each row's last block
+    max_query_len: int
 
     @property
     def num_reqs(self) -> int:
@@ -45,10 +47,6 @@ class HostBatch:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
-
-    @property
-    def max_query_len(self) -> int:
-        return int(np.diff(self.q_start).max())
 
     @property
     def is_decode_only(self) -> bool:
@@ -60,27 +58,26 @@ def build_host_batch(
 ) -> HostBatch:
     """``token_ids[i]``: request i's new tokens, at positions ``starts[i]...``; ``tables[i]``: its
     block table (covering every new position). Rows are padded with their own last block, so
-    every entry a backend may gather (masked) names a block of that request, never a free one."""
+    every entry a backend may gather (masked) names a block of that request, never a free one.
+    A fixed number of numpy calls whatever the batch: no Python step per request or token."""
     n = len(token_ids)
-    q_lens = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=n)
+    q_lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=n)
     st = np.asarray(starts, dtype=np.int64)
     q_start = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(q_lens, out=q_start[1:])
     num_tokens = int(q_start[-1])
-    flat: list[int] = []
-    for x in token_ids:  # list.extend per request, not a Python step per token
-        flat.extend(x)
-    ids = np.asarray(flat, dtype=np.int64)
+    ids = np.fromiter(chain.from_iterable(token_ids), dtype=np.int64, count=num_tokens)
     # positions = arange(T) - (q_start_i - start_i) for the request owning each row
     req_idx = np.repeat(np.arange(n), q_lens)
     positions = np.arange(num_tokens, dtype=np.int64) - (q_start[:-1] - st)[req_idx]
-    width = max(len(t) for t in tables)
-    tab = np.zeros((n, width), dtype=np.int64)
-    for i, t in enumerate(tables):
-        tab[i, : len(t)] = t
-        tab[i, len(t) :] = t[-1]
+    # tables, concatenated, then gathered: row i, column j = tables[i][min(j, len_i - 1)]
+    t_lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+    t_end = np.cumsum(t_lens)
+    flat = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=int(t_end[-1]))
+    width = int(t_lens.max())
+    tab = flat[(t_end - t_lens)[:, None] + np.minimum(np.arange(width), t_lens[:, None] - 1)]
     slots = tab[req_idx, positions // block_size] * block_size + positions % block_size
-    return HostBatch(ids, positions, slots, q_start, st + q_lens, tab)
+    return HostBatch(ids, positions, slots, q_start, st + q_lens, tab, int(q_lens.max()))
 
 
 class Uploader:

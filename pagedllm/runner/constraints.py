@@ -1,7 +1,8 @@
 """Per-row token constraints of a step's sampling batch: ``logit_bias`` (added to the logits) and
 token masks (a grammar's ``TokenMasks`` from the engine, ``allowed_token_ids``), as
 ``SamplingMetadata.bias`` / ``.token_mask``. Rows without any pay nothing; a step without any
-adds nothing to the sampler.
+adds nothing to the sampler (the runner, which sees every row's parameters once already, does not
+call ``add`` then).
 
 Masks are bitmasks, one int32 word per 32 tokens (llguidance's layout): a row of a 150k-token
 vocabulary is 19 KB on the host, unpacked on the device by the sampler.

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from pagedllm import _openmp, kernels
@@ -33,12 +32,12 @@ from pagedllm.runner.cuda_graph import DecodeGraphs, capture_sizes
 from pagedllm.runner.kv_cache import KVCache
 from pagedllm.runner.memory import MemoryProfile, MemoryProfiler
 from pagedllm.runner.penalties import PenaltyCounts
+from pagedllm.runner.sampling import sampling_metadata
 from pagedllm.sched.output import KVUpdate, ScheduledRequest, SchedulerOutput
 from pagedllm.spec_decode import verify
 
 logger = init_logger(__name__)
 
-_GREEDY_EPS = 1e-5  # temperatures below this sample greedily
 PROMPT_LOGPROBS_ROWS = 512  # prompt logprobs are computed this many rows at a time
 
 
@@ -225,60 +224,6 @@ class ModelRunner:
                                 [s.start for s in sched], [s.block_table for s in sched],
                                 self.block_size)
 
-    def _sampling_metadata(self, sched: list[ScheduledRequest]) -> SamplingMetadata:
-        dev, up = self.device, self.uploader
-        params = [s.request.params for s in sched]
-        temps = [0.0 if p.temperature < _GREEDY_EPS else p.temperature for p in params]
-        md = SamplingMetadata(
-            temperature=up.tensor(temps, torch.float32),
-            all_greedy=all(t == 0.0 for t in temps),
-        )
-        if not md.all_greedy:
-            if any(p.top_k > 0 for p in params):
-                md.top_k = up.tensor([p.top_k for p in params], torch.long)
-            if any(p.top_p < 1.0 for p in params):
-                md.top_p = up.tensor([p.top_p for p in params], torch.float32)
-            if any(p.min_p > 0.0 for p in params):
-                md.min_p = up.tensor([p.min_p for p in params], torch.float32)
-            for row, s in enumerate(sched):
-                seed = s.request.params.seed
-                if seed is not None and temps[row] > 0.0:
-                    gen = self.generators.get(s.request.request_id)
-                    if gen is None:
-                        gen = torch.Generator(device=dev).manual_seed(seed)
-                        self.generators[s.request.request_id] = gen
-                    md.generators[row] = gen
-        if any(p.uses_penalties for p in params):
-            self._add_penalties(md, sched)
-        rows: list[int] = []
-        bans: list[int] = []
-        for row, s in enumerate(sched):
-            r = s.request
-            if r.num_output_tokens < r.params.min_tokens:
-                ban = list(r.eos_token_ids) + list(r.params.stop_token_ids or [])
-                rows.extend([row] * len(ban))
-                bans.extend(ban)
-        if bans:
-            banned_rows, banned_ids = up.upload([np.asarray(rows, dtype=np.int64),
-                                                 np.asarray(bans, dtype=np.int64)])
-            md.banned = (banned_rows, banned_ids)
-        ks = [p.logprobs for p in params if p.logprobs is not None]
-        md.max_num_logprobs = max(ks) if ks else None
-        return md
-
-    def _add_penalties(self, md: SamplingMetadata, sched: list[ScheduledRequest]) -> None:
-        up = self.uploader
-        params = [s.request.params for s in sched]
-        repetition = any(p.repetition_penalty != 1.0 for p in params)
-        md.output_counts, md.prompt_mask = self.penalty_counts.rows(
-            [s.request for s in sched], with_prompt=repetition)
-        if repetition:
-            md.repetition_penalty = up.tensor([p.repetition_penalty for p in params], torch.float32)
-        if any(p.presence_penalty != 0.0 for p in params):
-            md.presence_penalty = up.tensor([p.presence_penalty for p in params], torch.float32)
-        if any(p.frequency_penalty != 0.0 for p in params):
-            md.frequency_penalty = up.tensor([p.frequency_penalty for p in params], torch.float32)
-
     # -- one step -----------------------------------------------------------------------------
     def apply_kv_update(self, u: KVUpdate) -> None:
         """The step's KV changes, in ``KVUpdate``'s documented order, each one batched move."""
@@ -336,8 +281,10 @@ class ModelRunner:
                                     q_start[i + 1])], torch.long)]
             logits = self.model.compute_logits(last)  # [rows, V]
             spec = verify.SeededRewind(sub, self.generators)
-            md = self._sampling_metadata(sub)  # a grammar's row never verifies (can_speculate)
-            self.constraints.add(md, owner, sub, out.token_masks)
+            # a grammar's row never verifies
+            md, masks = sampling_metadata(sub, self.uploader, self.generators, self.penalty_counts)
+            if masks or out.token_masks is not None:
+                self.constraints.add(md, owner, sub, out.token_masks)
             so = sample(logits, md)
             fetched = fetch([so.token_ids, so.logprobs, so.ranks, so.topk_ids, so.topk_logprobs])
             ids, lps, ranks, tk_ids, tk_lps = (None if t is None else t.tolist() for t in fetched)

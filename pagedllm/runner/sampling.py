@@ -1,0 +1,79 @@
+"""A step's sampling rows -> ``SamplingMetadata``: per-row parameters as device tensors, only
+for what some row uses (an all-greedy batch sends one temperature tensor), the seeded
+generators, penalty counts and min_tokens bans. Rows are looked at once for everything most
+batches have none of."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.layers.sampler import SamplingMetadata
+from pagedllm.runner.batch import Uploader
+from pagedllm.runner.penalties import PenaltyCounts
+from pagedllm.sched.output import ScheduledRequest
+
+GREEDY_EPS = 1e-5  # temperatures below this sample greedily
+
+
+def sampling_metadata(sched: list[ScheduledRequest], up: Uploader,
+                      generators: dict[str, torch.Generator],
+                      penalty_counts: PenaltyCounts) -> tuple[SamplingMetadata, bool]:
+    """The rows' sampling parameters, and whether a row has a logit bias or allowed token ids
+    (``TokenConstraints``). ``generators``: the seeded requests' generators, made here at a
+    request's first sampled step."""
+    params = [s.request.params for s in sched]
+    temps = [0.0 if p.temperature < GREEDY_EPS else p.temperature for p in params]
+    md = SamplingMetadata(temperature=up.tensor(temps, torch.float32), all_greedy=not any(temps))
+    if not md.all_greedy:
+        if any(p.top_k > 0 for p in params):
+            md.top_k = up.tensor([p.top_k for p in params], torch.long)
+        if any(p.top_p < 1.0 for p in params):
+            md.top_p = up.tensor([p.top_p for p in params], torch.float32)
+        if any(p.min_p > 0.0 for p in params):
+            md.min_p = up.tensor([p.min_p for p in params], torch.float32)
+        for row, s in enumerate(sched):
+            seed = s.request.params.seed
+            if seed is not None and temps[row] > 0.0:
+                gen = generators.get(s.request.request_id)
+                if gen is None:
+                    gen = torch.Generator(device=up.device).manual_seed(seed)
+                    generators[s.request.request_id] = gen
+                md.generators[row] = gen
+    penalties = masks = False
+    rows: list[int] = []
+    bans: list[int] = []
+    k_max: int | None = None
+    for row, s in enumerate(sched):
+        r = s.request
+        p = r.params
+        penalties = penalties or p.uses_penalties
+        masks = masks or p.masks_tokens
+        if p.logprobs is not None and (k_max is None or p.logprobs > k_max):
+            k_max = p.logprobs
+        if p.min_tokens and r.num_output_tokens < p.min_tokens:
+            ban = list(r.eos_token_ids) + list(p.stop_token_ids or [])
+            rows.extend([row] * len(ban))
+            bans.extend(ban)
+    if penalties:
+        _add_penalties(md, sched, up, penalty_counts)
+    if bans:
+        banned_rows, banned_ids = up.upload([np.asarray(rows, dtype=np.int64),
+                                             np.asarray(bans, dtype=np.int64)])
+        md.banned = (banned_rows, banned_ids)
+    md.max_num_logprobs = k_max
+    return md, masks
+
+
+def _add_penalties(md: SamplingMetadata, sched: list[ScheduledRequest], up: Uploader,
+                   penalty_counts: PenaltyCounts) -> None:
+    params = [s.request.params for s in sched]
+    repetition = any(p.repetition_penalty != 1.0 for p in params)
+    md.output_counts, md.prompt_mask = penalty_counts.rows(
+        [s.request for s in sched], with_prompt=repetition)
+    if repetition:
+        md.repetition_penalty = up.tensor([p.repetition_penalty for p in params], torch.float32)
+    if any(p.presence_penalty != 0.0 for p in params):
+        md.presence_penalty = up.tensor([p.presence_penalty for p in params], torch.float32)
+    if any(p.frequency_penalty != 0.0 for p in params):
+        md.frequency_penalty = up.tensor([p.frequency_penalty for p in params], torch.float32)
