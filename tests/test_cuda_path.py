@@ -33,6 +33,30 @@ def test_host_batch_matches_the_drawing() -> None:
     assert build_host_batch([[1], [2]], [4, 0], [[3, 9], [1]], 4).is_decode_only
 
 
+def test_host_batch_decode_path_equals_the_general_one() -> None:
+    """A decode-only batch takes its own list path; adding one prefill row to it sends the same
+    rows through the numpy path: the decode rows' arrays must be identical."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n, bs = rng.randint(1, 20), rng.choice([1, 4, 16])
+        starts = [rng.randint(0, 90) for _ in range(n)]
+        tables = [[rng.randrange(500) for _ in range(p // bs + 1 + rng.randint(0, 2))]
+                  for p in starts]
+        ids = [[rng.randrange(100)] for _ in range(n)]
+        dec = build_host_batch(ids, starts, tables, bs)
+        gen = build_host_batch(ids + [[1, 2]], starts + [0], tables + [[0] * (64 // bs + 1)], bs)
+        assert dec.is_decode_only and dec.max_query_len == 1
+        for f in ("input_ids", "positions", "slots", "seq_lens"):
+            a, b = getattr(dec, f), getattr(gen, f)[:n]
+            assert a.dtype == b.dtype and a.tolist() == b.tolist(), f
+        assert dec.q_start.tolist() == gen.q_start[: n + 1].tolist()
+        w = dec.tables.shape[1]
+        assert dec.tables.dtype == gen.tables.dtype
+        assert dec.tables.tolist() == [r[:w] for r in gen.tables[:n].tolist()]
+
+
 def test_uploader_on_cpu_is_zero_copy_and_shaped() -> None:
     up = Uploader(torch.device("cpu"))
     a, b = np.arange(6).reshape(2, 3), np.array([5, 7])

@@ -59,8 +59,11 @@ def build_host_batch(
     """``token_ids[i]``: request i's new tokens, at positions ``starts[i]...``; ``tables[i]``: its
     block table (covering every new position). Rows are padded with their own last block, so
     every entry a backend may gather (masked) names a block of that request, never a free one.
-    A fixed number of numpy calls whatever the batch: no Python step per request or token."""
+    A fixed number of numpy calls whatever the batch: no Python step per token; a decode-only
+    batch (one token per request, most steps) in a few list operations instead."""
     n = len(token_ids)
+    if all(len(t) == 1 for t in token_ids):
+        return _decode_batch(token_ids, starts, tables, block_size)
     q_lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=n)
     st = np.asarray(starts, dtype=np.int64)
     q_start = np.zeros(n + 1, dtype=np.int64)
@@ -78,6 +81,19 @@ def build_host_batch(
     tab = flat[(t_end - t_lens)[:, None] + np.minimum(np.arange(width), t_lens[:, None] - 1)]
     slots = tab[req_idx, positions // block_size] * block_size + positions % block_size
     return HostBatch(ids, positions, slots, q_start, st + q_lens, tab, int(q_lens.max()))
+
+
+def _decode_batch(token_ids: list[list[int]], starts: list[int], tables: list[list[int]],
+                  block_size: int) -> HostBatch:
+    """``build_host_batch`` of one new token per request: the same arrays."""
+    n = len(token_ids)
+    width = max(map(len, tables))
+    tab = np.array([t + t[-1:] * (width - len(t)) for t in tables], dtype=np.int64)
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, starts)]
+    pos = np.array(starts, dtype=np.int64)
+    return HostBatch(np.array([t[0] for t in token_ids], dtype=np.int64), pos,
+                     np.array(slots, dtype=np.int64), np.arange(n + 1, dtype=np.int64), pos + 1,
+                     tab, 1)
 
 
 class Uploader:
