@@ -81,6 +81,9 @@ class EngineArgs:
     fused_ops: bool = setting(
         _E.fused_ops, "CPU: RMSNorm (+ residual add), rotary and SiLU-and-mul as fused C++ ops "
         "(when the kernels build); --no-fused-ops runs the torch ops")
+    fused_layers: bool = setting(
+        _E.fused_layers, "CPU, with --fused-ops: each decoder layer as two C++ ops around its "
+        "attention; --no-fused-layers calls its modules one by one")
     tensor_parallel_size: int = setting(
         _P.tensor_parallel_size, "shard the model over N ranks (worker processes; CPU/gloo)", "-tp")
     distributed_executor_backend: str = setting(
@@ -200,6 +203,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             linear_backend=self.linear_backend,
             fused_ops=self.fused_ops,
+            fused_layers=self.fused_layers,
             generation_config=self.generation_config,
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
             speculative=SpeculativeConfig.parse(self.speculative_config),

@@ -351,6 +351,9 @@ class EngineConfig:
     # CPU: RMSNorm (+ residual add), rotary and SiLU-and-mul as fused C++ ops where the kernels
     # are built (pagedllm/kernels); False runs the torch ops.
     fused_ops: bool = True
+    # CPU, with fused_ops: each decoder layer as two C++ ops around its attention
+    # (models/llama.py, kernels/csrc/decoder_layer.cpp); False runs its modules one by one.
+    fused_layers: bool = True
     # default sampling settings: "auto" (the model's generation_config.json), "vllm" (none), or a
     # directory holding the file (pagedllm/generation_config.py)
     generation_config: str = "auto"

@@ -132,6 +132,19 @@ class CpuBackend(AttentionBackend):
         assert q.dim() == 3 and k.dim() == 3 and k_cache.dim() == 4, "q/k/v [T, H, D], cache 4-D"
         assert q.shape[1] % k_cache.shape[2] == 0 and q.shape[2] == k_cache.shape[3]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale, sliding_window)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: KVCacheTensor,
+        v_cache: KVCacheTensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """``forward`` once the step's new K/V are in their slots (the fused decoder layer,
+        models/llama.py, writes them itself): q [T, Hq, D] -> [T, Hq, D]."""
         out = torch.empty_like(q)
         if self.use_kernel:  # every request of the step, decode and prefill, in one call
             paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, out, q.shape[0])

@@ -37,6 +37,7 @@ logger = init_logger(__name__)
 SOURCES: dict[str, tuple[str, ...]] = {
     "paged_attention.cpp": (),
     "elementwise.cpp": ("-ffp-contract=off",),
+    "decoder_layer.cpp": (),
 }
 _CSRC = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-fPIC", "-fno-math-errno",
@@ -160,12 +161,13 @@ def fused(*tensors: torch.Tensor) -> bool:
             and available())
 
 
-def set_fused_ops(model: torch.nn.Module, on: bool) -> int:
+def set_fused_ops(model: torch.nn.Module, on: bool, switch: str = "fused") -> int:
     """Let (or stop) the modules of ``model`` that have a ``fused`` switch (RMSNorm, SiluAndMul,
-    the attention's rotary) run the fused ops; returns how many modules it set."""
-    mods = [m for m in model.modules() if isinstance(getattr(type(m), "fused", None), bool)]
+    the attention's rotary, the decoder layer) run the fused ops; returns how many modules it
+    set. ``switch="fused_layer"``: the decoder layers' two-op path alone."""
+    mods = [m for m in model.modules() if isinstance(getattr(type(m), switch, None), bool)]
     for m in mods:
-        m.fused = on  # type: ignore[assignment]  # a class attribute, not a submodule
+        setattr(m, switch, on)  # a class attribute, not a submodule
     return len(mods)
 
 

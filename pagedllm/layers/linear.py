@@ -66,6 +66,13 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
+    def op_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(packed weight, plain weight, bias) as the fused decoder-layer ops take a linear
+        (kernels/csrc/decoder_layer.cpp, which applies ``matmul``'s rule): the plain weight
+        only where ``matmul`` may read it."""
+        plain = self.weight if self.packed is None or self.gemv else None
+        return self.packed, plain, self.bias
+
 
 def pack_linears(model: nn.Module) -> int:
     """Pack every ``Linear`` of ``model`` for oneDNN (see ``Linear``); returns how many were.

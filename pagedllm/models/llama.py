@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm import kernels
 from pagedllm.attention.base import AttentionBackend, AttentionMetadata
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.group import TPGroup, rows, shard_heads
@@ -78,6 +79,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    fused = True  # may run the fused CPU ops (kernels.set_fused_ops)
+    # and, where it can, as the two decoder-layer ops (kernels.set_fused_ops(.., "fused_layer"))
+    fused_layer = True
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPGroup | None = None,
                  layer: int = 0) -> None:
         super().__init__()
@@ -85,6 +90,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # what the two ops cover: one rank, and a backend that attends apart from the KV write
+        self.attend = None if tp is not None else getattr(backend, "attend", None)
 
     def forward(
         self,
@@ -98,6 +105,9 @@ class LlamaDecoderLayer(nn.Module):
         """-> (this layer's MLP output, the running sum before it). Each residual add is fused
         into the norm that follows it: ``residual + x`` then ``norm``, the same arithmetic as
         ``x = x + attn(norm(x)); x = x + mlp(norm(x))``."""
+        if (self.fused and self.fused_layer and self.attend is not None
+                and type(kv_cache[0]) is type(kv_cache[1]) is torch.Tensor and kernels.fused(x)):
+            return self._forward_ops(x, residual, cos, sin, kv_cache, meta)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -105,6 +115,30 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(h, cos, sin, kv_cache, meta)
         h, residual = self.post_attention_layernorm.add_norm(h, residual)
         return self.mlp(h), residual
+
+    def _forward_ops(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` as two C++ ops around the attention (kernels/csrc/decoder_layer.cpp):
+        the same ops in the same order, without ~25 Python-level calls per layer."""
+        attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        k_cache, v_cache = kv_cache
+        q = torch.ops.pagedllm.attn_in(  # [T, Hq, D]; the new K/V are in their slots
+            x, residual, norm1.weight, norm1.eps, *attn.qkv_proj.op_args(), cos, sin,
+            attn.num_heads, attn.num_kv_heads, k_cache, v_cache, meta.slot_mapping)
+        residual = x if residual is None else residual
+        assert self.attend is not None
+        o = self.attend(q, k_cache, v_cache, meta, attn.scale, attn.sliding_window)
+        h = torch.ops.pagedllm.attn_out_mlp(
+            o, residual, *attn.o_proj.op_args(), norm2.weight, norm2.eps,
+            *mlp.gate_up_proj.op_args(), *mlp.down_proj.op_args())
+        return h, residual
 
 
 class LlamaModel(nn.Module):

@@ -98,6 +98,8 @@ class ModelRunner:
         self.model = load_model(config.model, self.backend, str(self.device), tp)
         if not config.fused_ops:
             kernels.set_fused_ops(self.model, False)
+        if not config.fused_layers:
+            kernels.set_fused_ops(self.model, False, "fused_layer")
         if self.device.type == "cpu":
             if config.linear_backend == "auto":
                 n = pack_linears(self.model)

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "common.h"
+#include "elementwise.h"
 
 namespace pagedllm {
 namespace {

@@ -1,0 +1,128 @@
+// A Llama decoder layer as two ops around its attention, so that a CPU step makes two calls
+// per layer from Python instead of ~25 (each torch op called from Python costs a few us of
+// argument parsing and dispatch, which on a small model is as much as the op's own work):
+//
+//   attn_in(x, residual?, ...)   residual? <- x + residual; h = rms_norm(...);
+//                                qkv = h @ Wqkv^T (+ b); rotary on q, k; k, v -> their cache slots
+//                                -> q [T, Hq, D] (a view of qkv)
+//   attn_out_mlp(o, residual, ...)
+//                                h = o @ Wo^T (+ b); residual <- h + residual; h = rms_norm(...);
+//                                -> down(silu_and_mul(gate_up(h)))
+//
+// The same ops the Python modules run, in the same order, on the same kernels: a linear runs
+// oneDNN on its packed weight (mkldnn::_linear_pointwise) or at::linear on its plain weight,
+// by the rule of Linear.matmul (layers/linear.py), so the results are bit-identical to the
+// module path in every dtype. What the fused path does not cover (tensor parallelism,
+// quantized KV, CUDA, no kernels) the model runs through its modules.
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/linear.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <optional>
+
+#include "elementwise.h"
+
+namespace pagedllm {
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+// x [T, in] @ W^T (+ bias): oneDNN on ``packed`` unless it is absent, or ``weight`` is given
+// (Linear.gemv) and x is one row; at::linear on ``weight`` otherwise.
+at::Tensor linear(const at::Tensor& x, const OptTensor& packed, const OptTensor& weight,
+                  const OptTensor& bias) {
+  if (!packed.has_value() || (weight.has_value() && x.size(0) == 1)) {
+    TORCH_CHECK(weight.has_value(), "a linear needs its packed or its plain weight");
+    return at::linear(x, *weight, bias);
+  }
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, *packed, bias, std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(), std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// rows x [T, H, D] (rows of H * D contiguous elements) -> cache [num_blocks, block_size, H, D]
+// at slots[t]; the torch op (with its dtype cast) where the cache's dtype or layout differ.
+void write_slots(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& slots) {
+  const int64_t t_n = x.size(0), row = x.size(1) * x.size(2);
+  const int64_t n_slots = cache.size(0) * cache.size(1);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == t_n &&
+                  slots.is_contiguous(), "slot_mapping must be int64 [T]");
+  TORCH_CHECK(cache.dim() == 4 && cache.size(2) * cache.size(3) == row,
+              "the KV cache must be [num_blocks, block_size, Hkv, D]");
+  if (cache.scalar_type() != x.scalar_type() || !cache.is_contiguous() || x.stride(2) != 1 ||
+      x.stride(1) != x.size(2)) {
+    cache.view({n_slots, x.size(1), x.size(2)}).index_copy_(0, slots, x.to(cache.scalar_type()));
+    return;
+  }
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t bytes = row * x.element_size();
+  char* dst = static_cast<char*>(cache.data_ptr());
+  const char* src = static_cast<const char*>(x.data_ptr());
+  for (int64_t t = 0; t < t_n; ++t) {
+    TORCH_CHECK(s[t] >= 0 && s[t] < n_slots, "slot ", s[t], " outside the KV cache (", n_slots,
+                " slots)");
+    std::memcpy(dst + s[t] * bytes, src + t * x.stride(0) * x.element_size(), bytes);
+  }
+}
+
+}  // namespace
+
+at::Tensor attn_in(at::Tensor x, const OptTensor& residual, const at::Tensor& norm_weight,
+                   double eps, const OptTensor& qkv_packed, const OptTensor& qkv_weight,
+                   const OptTensor& qkv_bias, const at::Tensor& cos, const at::Tensor& sin,
+                   int64_t num_heads, int64_t num_kv_heads, const at::Tensor& k_cache,
+                   const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  at::Tensor h;
+  if (residual.has_value()) {
+    add_rms_norm_(x, *residual, norm_weight, eps);
+    h = x;
+  } else {
+    h = rms_norm(x, norm_weight, eps);
+  }
+  const at::Tensor qkv = linear(h, qkv_packed, qkv_weight, qkv_bias);  // [T, (Hq + 2 Hkv) D]
+  const int64_t t = qkv.size(0), d = k_cache.size(3);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * d,
+              "qkv_proj's output is not (num_heads + 2 * num_kv_heads) * head_dim");
+  at::Tensor q = qkv.narrow(1, 0, num_heads * d).view({t, num_heads, d});
+  at::Tensor k = qkv.narrow(1, num_heads * d, num_kv_heads * d).view({t, num_kv_heads, d});
+  at::Tensor v = qkv.narrow(1, (num_heads + num_kv_heads) * d, num_kv_heads * d)
+                     .view({t, num_kv_heads, d});
+  rotary_(q, k, cos, sin);
+  write_slots(k, k_cache, slot_mapping);
+  write_slots(v, v_cache, slot_mapping);
+  return q;
+}
+
+at::Tensor attn_out_mlp(const at::Tensor& o, at::Tensor residual, const OptTensor& o_packed,
+                        const OptTensor& o_weight, const OptTensor& o_bias,
+                        const at::Tensor& norm_weight, double eps,
+                        const OptTensor& gate_up_packed, const OptTensor& gate_up_weight,
+                        const OptTensor& gate_up_bias, const OptTensor& down_packed,
+                        const OptTensor& down_weight, const OptTensor& down_bias) {
+  at::Tensor h = linear(o.reshape({o.size(0), -1}), o_packed, o_weight, o_bias);
+  add_rms_norm_(h, residual, norm_weight, eps);
+  const at::Tensor act = silu_and_mul(linear(h, gate_up_packed, gate_up_weight, gate_up_bias));
+  return linear(act, down_packed, down_weight, down_bias);
+}
+
+}  // namespace pagedllm
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def(
+      "attn_in(Tensor(a!) x, Tensor(b!)? residual, Tensor norm_weight, float eps, "
+      "Tensor? qkv_packed, Tensor? qkv_weight, Tensor? qkv_bias, Tensor cos, Tensor sin, "
+      "int num_heads, int num_kv_heads, Tensor(c!) k_cache, Tensor(d!) v_cache, "
+      "Tensor slot_mapping) -> Tensor",
+      &pagedllm::attn_in);
+  m.def(
+      "attn_out_mlp(Tensor o, Tensor(a!) residual, Tensor? o_packed, Tensor? o_weight, "
+      "Tensor? o_bias, Tensor norm_weight, float eps, Tensor? gate_up_packed, "
+      "Tensor? gate_up_weight, Tensor? gate_up_bias, Tensor? down_packed, Tensor? down_weight, "
+      "Tensor? down_bias) -> Tensor",
+      &pagedllm::attn_out_mlp);
+}
