@@ -32,8 +32,10 @@ COLUMNS = ("block_size", "num_blocks", "output_tokens_per_s", "peak_running", "k
 
 def timed_backend(name: str | None, device: str) -> str:
     """Register (once) an attention backend that is ``name``'s (None: the device's default)
-    plus a clock around ``forward``; returns its registered name. The engine's instance
-    (``engine.runner.backend``) then holds the seconds spent in attention in ``total_s``."""
+    plus a clock around attending (``attend`` where the backend has one: the fused decoder
+    layer calls it directly, and ``forward`` through it; otherwise ``forward``); returns its
+    registered name. The engine's instance (``engine.runner.backend``) then holds the seconds
+    spent in attention in ``total_s``."""
     from pagedllm.attention.registry import available_backends, get_backend, register_backend
 
     base = type(get_backend(name, device))
@@ -41,15 +43,19 @@ def timed_backend(name: str | None, device: str) -> str:
     if timed_name in available_backends():
         return timed_name
 
+    timed = "attend" if hasattr(base, "attend") else "forward"
+
     class Timed(base):  # type: ignore[valid-type, misc]
         total_s = 0.0
 
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
+        def _timed(self, *args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter()
             try:
-                return super().forward(*args, **kwargs)
+                return getattr(super(), timed)(*args, **kwargs)
             finally:
                 self.total_s += time.perf_counter() - t
+
+    setattr(Timed, timed, Timed._timed)
 
     Timed.name = timed_name
     Timed.__name__ = Timed.__qualname__ = f"Timed{base.__name__}"
