@@ -111,7 +111,9 @@ def run_linear(reqs: list[BenchRequest], spec: WorkloadSpec, engine_kwargs: dict
                warmup: int = 4) -> dict[str, Any]:
     from pagedllm.bench.baselines import EngineBackend
 
-    backend = EngineBackend("pagedllm", engine_kwargs)
+    # the hooks need the layers' modules called one by one; the two-op decoder layer runs the
+    # same linear calls (kernels/csrc/decoder_layer.cpp)
+    backend = EngineBackend("pagedllm", {**engine_kwargs, "fused_layers": False})
     cfg = backend.engine.config.model
     dtype = getattr(torch, cfg.dtype)
     if warmup:
