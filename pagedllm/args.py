@@ -76,8 +76,9 @@ class EngineArgs:
         "pool, when --kv-cache-memory / --num-kv-blocks are not given")
     enforce_eager: bool = setting(_E.enforce_eager, "CUDA: no CUDA graphs; every step runs eagerly")
     linear_backend: str = setting(
-        _E.linear_backend, "CPU: auto = linear layers on oneDNN with weights packed at load "
-        "where it runs the dtype, torch = F.linear", choices=LINEAR_BACKENDS)
+        _E.linear_backend, "CPU: auto = linear layers on weights packed at load (float32: "
+        "pagedllm's GEMM where it runs, else oneDNN), onednn = oneDNN only, torch = F.linear",
+        choices=LINEAR_BACKENDS)
     fused_ops: bool = setting(
         _E.fused_ops, "CPU: RMSNorm (+ residual add), rotary and SiLU-and-mul as fused C++ ops "
         "(when the kernels build); --no-fused-ops runs the torch ops")

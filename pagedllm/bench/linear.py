@@ -3,8 +3,9 @@ reach alone.
 
 1. The engine runs the workload once (after a warm-up) with a timer on every ``Linear`` module
    (forward hooks, single process); each call is kept with its rows M, output N, input K and
-   path (oneDNN packed weight, or F.linear).
-2. Each distinct (M, N, K, dtype) is then timed alone, on oneDNN with a packed weight and on
+   path (``Linear.kind``: pagedllm's GEMM or oneDNN on a packed weight, or F.linear).
+2. Each distinct (M, N, K, dtype) is then timed alone, on oneDNN with a packed weight, on the
+   engine's own GEMM where the engine ran it, and on
    F.linear, cycling over enough weight copies that they do not fit the CPU's caches (in the
    engine every layer's weight comes from memory, so warm weights would flatter the rate).
 3. Per layer kind (qkv, o, gate_up, down, lm_head; from the model's shapes) the report gives the
@@ -67,7 +68,7 @@ def time_linears(engine_backend: Any, reqs: list[BenchRequest]) -> tuple[dict[tu
         dt = time.perf_counter() - started.pop()
         x = args[0]
         shape = (x.numel() // x.shape[-1], m.out_features, m.in_features)
-        calls[(shape, "torch" if m.packed is None else "onednn")].append(dt)
+        calls[(shape, m.kind)].append(dt)
 
     mods = [m for m in engine_backend.engine.runner.model.modules() if isinstance(m, Linear)]
     handles = [h for m in mods for h in (m.register_forward_pre_hook(before),
@@ -94,6 +95,11 @@ def time_alone(shape: Shape, dtype: torch.dtype, path: str, min_s: float = 0.02,
 
         def call(i: int) -> None:
             torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")
+    elif path == "gemm":
+        panels = [torch.ops.pagedllm.pack_gemm_weight(w) for w in ws]
+
+        def call(i: int) -> None:
+            torch.ops.pagedllm.gemm_packed(x, panels[i], n, None)
     else:
         def call(i: int) -> None:
             F.linear(x, ws[i])
@@ -121,9 +127,10 @@ def run_linear(reqs: list[BenchRequest], spec: WorkloadSpec, engine_kwargs: dict
     calls, wall = time_linears(backend, reqs)
     kinds = layer_kinds(cfg)
     alone: dict[tuple[Shape, str], float] = {}
-    for shape, _ in calls:
-        for p in ("onednn", "torch"):
-            if (shape, p) not in alone and (p == "torch" or dtype in _onednn()):
+    for shape, path in calls:
+        for p in ("onednn", "torch", "gemm"):
+            runs = {"torch": True, "onednn": dtype in _onednn(), "gemm": path == "gemm"}[p]
+            if (shape, p) not in alone and runs:
                 alone[(shape, p)] = time_alone(shape, dtype, p)
     agg: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for (shape, _), ts in calls.items():
@@ -135,7 +142,7 @@ def run_linear(reqs: list[BenchRequest], spec: WorkloadSpec, engine_kwargs: dict
             a["engine_s"] += statistics.median(ts) * len(ts)
             a["gflop"] += 2 * m * n * k * len(ts) / 1e9
             a["rows"] += m * len(ts)
-            for p in ("onednn", "torch"):
+            for p in ("onednn", "torch", "gemm"):
                 a[f"{p}_alone_s"] += alone.get((shape, p), float("nan")) * len(ts)
     rows = []
     for kind, a in sorted(agg.items(), key=lambda kv: kv[0] == "all linears"):
@@ -144,6 +151,7 @@ def run_linear(reqs: list[BenchRequest], spec: WorkloadSpec, engine_kwargs: dict
             "engine_s": a["engine_s"], "engine_total_s": a["engine_total_s"], "engine_gflops": a["gflop"] / a["engine_s"],
             "onednn_alone_gflops": a["gflop"] / a["onednn_alone_s"],
             "torch_alone_gflops": a["gflop"] / a["torch_alone_s"],
+            "gemm_alone_gflops": a["gflop"] / a["gemm_alone_s"],
             "efficiency": a["onednn_alone_s"] / a["engine_s"],
         })
     paths = sorted({p for _, p in calls})
@@ -158,7 +166,8 @@ def run_linear(reqs: list[BenchRequest], spec: WorkloadSpec, engine_kwargs: dict
         "shapes": [{"m": s[0], "n": s[1], "k": s[2], "path": p, "calls": len(ts),
                     "engine_total_s": sum(ts), "engine_median_s": statistics.median(ts),
                     "onednn_alone_s": alone.get((s, "onednn")),
-                    "torch_alone_s": alone.get((s, "torch"))}
+                    "torch_alone_s": alone.get((s, "torch")),
+                    "gemm_alone_s": alone.get((s, "gemm"))}
                    for (s, p), ts in sorted(calls.items())],
         "workload": {**spec.describe(), **summarize(reqs)},
         "engine": {k: v for k, v in engine_kwargs.items() if v is not None},
@@ -176,7 +185,8 @@ def report_linear(res: dict[str, Any], output_dir: Path, output_json: Path | Non
     print(f"dtype {res['dtype']}, {res['threads']} threads, engine path {'+'.join(res['engine_paths'])}; "
           f"linears {res['linear_share_of_run']:.0%} of the profiled run ({res['run_s']:.2f} s)")
     print(format_table(res["results"], ("layer", "calls", "mean_rows", "engine_total_s", "engine_gflops",
-                                        "onednn_alone_gflops", "torch_alone_gflops", "efficiency"),
+                                        "onednn_alone_gflops", "torch_alone_gflops", "gemm_alone_gflops",
+                                        "efficiency"),
                        ["layer", "calls", "mean M", "engine total s", "engine GFLOP/s",
-                        "oneDNN alone", "F.linear alone", "efficiency"]))
+                        "oneDNN alone", "F.linear alone", "pagedllm GEMM alone", "efficiency"]))
     return [write_json(output_json or output_dir / "linear.json", res)]

@@ -38,6 +38,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "paged_attention.cpp": (),
     "elementwise.cpp": ("-ffp-contract=off",),
     "decoder_layer.cpp": (),
+    "gemm.cpp": (),
 }
 _CSRC = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-fPIC", "-fno-math-errno",

@@ -1,6 +1,6 @@
 """Linear layers that know how checkpoint tensors map onto them (and, under tensor parallelism,
 which slice of each checkpoint tensor this rank reads: ``source_index``), and that run on
-oneDNN with their weight packed once on CPU (``pack_linears``)."""
+a weight packed once on CPU (pagedllm's own float32 GEMM or oneDNN: ``pack_linears``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from pagedllm import kernels
 
 if TYPE_CHECKING:
     from pagedllm.distributed.group import TPGroup
@@ -31,25 +33,39 @@ GEMV_MAX_ELEMENTS = 2**21
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that can swap its weight for a oneDNN-packed copy (``pack``).
+    """``nn.Linear`` that can swap its weight for a packed copy (``pack``).
 
-    The packed weight is in oneDNN's blocked layout for this CPU, made once, so each call skips
-    MKL's per-call repacking: 1.3-5x the GFLOP/s of ``F.linear`` on 2 cores at the batch rows the
-    engine runs (``pagedllm bench linear`` measures it); a single row on a small weight still
-    goes to F.linear (``GEMV_MAX_ELEMENTS``). ``weight`` stays readable unless packing dropped
-    it: an untied weight above ``GEMV_MAX_ELEMENTS``, not needed twice."""
+    Two packings, both made once at load so that no call repacks the weight:
+
+    - ``"gemm"`` (float32, where pagedllm's CPU kernels are built with AVX-512, the output
+      width a multiple of 32): ``torch.ops.pagedllm.gemm_packed`` (kernels/csrc/gemm.cpp), a
+      register-tiled GEMM on 32-column panels with no per-call setup: at the rows a step runs
+      (1-256) 1.0-1.6x oneDNN's time on the benchmark models' shapes, 3-20x at 1-8 rows, even
+      with oneDNN at larger row counts (``pagedllm bench linear`` measures it).
+    - ``"onednn"``: oneDNN's blocked layout for this CPU (float32, bfloat16 where the CPU has
+      it): 1.3-5x the GFLOP/s of ``F.linear`` on 2 cores at the batch rows the engine runs; in
+      float32 a single row on a small weight still goes to F.linear (``GEMV_MAX_ELEMENTS``).
+
+    ``weight`` stays readable unless packing dropped it: an untied weight not needed for F.linear."""
 
     packed: torch.Tensor | None = None
-    gemv: bool = False  # packed, and a single row still goes to F.linear on the plain weight
+    kind: str = "torch"  # "torch" (F.linear on weight), "onednn" or "gemm": what ``packed`` is
+    gemv: bool = False  # packed for oneDNN, and a single row still goes to F.linear on the plain weight
 
-    def pack(self, keep_weight: bool = False) -> bool:
-        """Pack the weight for oneDNN; False (and nothing changes) where oneDNN cannot run it:
-        not on CPU, no oneDNN, or a dtype it does not run here (``onednn_dtypes``)."""
+    def pack(self, keep_weight: bool = False, backend: str = "auto") -> bool:
+        """Pack the weight (``backend`` "auto": "gemm" where it runs, else "onednn"; or either
+        by name); False (and nothing changes) where no packing runs it: not on CPU, no oneDNN,
+        or a dtype it does not run here (``onednn_dtypes``)."""
         w = self.weight
-        if w.device.type != "cpu" or w.dtype not in onednn_dtypes() or self.packed is not None:
+        if w.device.type != "cpu" or self.packed is not None:
             return False
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-        self.gemv = w.dtype == torch.float32 and w.numel() <= GEMV_MAX_ELEMENTS
+        if backend != "onednn" and gemm_runs(w):
+            self.packed, self.kind = torch.ops.pagedllm.pack_gemm_weight(w.detach()), "gemm"
+        elif backend != "gemm" and w.dtype in onednn_dtypes():
+            self.packed, self.kind = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), "onednn"
+            self.gemv = w.dtype == torch.float32 and w.numel() <= GEMV_MAX_ELEMENTS
+        else:
+            return False
         if not keep_weight and not self.gemv:
             # the packed copy is the weight now; keep shape and dtype visible
             self.weight = nn.Parameter(w.new_empty((0,) + w.shape[1:]), requires_grad=False)
@@ -60,7 +76,10 @@ class Linear(nn.Linear):
         if self.packed is None or (self.gemv and x.numel() == x.shape[-1]):
             return F.linear(x, self.weight, bias)
         flat = x.reshape(-1, x.shape[-1])
-        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")
+        if self.kind == "gemm":
+            y = torch.ops.pagedllm.gemm_packed(flat.contiguous(), self.packed, self.out_features, bias)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,14 +87,22 @@ class Linear(nn.Linear):
 
     def op_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """(packed weight, plain weight, bias) as the fused decoder-layer ops take a linear
-        (kernels/csrc/decoder_layer.cpp, which applies ``matmul``'s rule): the plain weight
-        only where ``matmul`` may read it."""
+        (kernels/csrc/decoder_layer.cpp, which applies ``matmul``'s rule; a 3-D packed weight
+        is a "gemm" one): the plain weight only where ``matmul`` may read it."""
         plain = self.weight if self.packed is None or self.gemv else None
         return self.packed, plain, self.bias
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Pack every ``Linear`` of ``model`` for oneDNN (see ``Linear``); returns how many were.
+def gemm_runs(w: torch.Tensor) -> bool:
+    """Whether ``torch.ops.pagedllm.gemm_packed`` takes this weight: float32 on CPU, an output
+    width that is a multiple of 32 (the panel width, so the decoder-layer ops know it from the
+    packed shape), and the kernels built with AVX-512 here."""
+    return (w.dtype == torch.float32 and w.device.type == "cpu" and w.shape[0] % 32 == 0
+            and kernels.available() and torch.ops.pagedllm.gemm_vectorized())
+
+
+def pack_linears(model: nn.Module, backend: str = "auto") -> int:
+    """Pack every ``Linear`` of ``model`` (see ``Linear.pack``); returns how many were.
 
     A weight shared with another module (lm_head tied to the input embedding) is packed as a
     copy and kept, since the embedding lookup still reads the plain tensor."""
@@ -83,7 +110,7 @@ def pack_linears(model: nn.Module) -> int:
     for m in model.modules():
         for p in m.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
-    return sum(m.pack(keep_weight=owners[id(m.weight)] > 1)
+    return sum(m.pack(keep_weight=owners[id(m.weight)] > 1, backend=backend)
                for m in model.modules() if isinstance(m, Linear))
 
 

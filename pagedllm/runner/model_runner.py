@@ -14,6 +14,7 @@ to be sized from ``gpu_memory_utilization`` the runner profiles the worst-case s
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -101,10 +102,11 @@ class ModelRunner:
         if not config.fused_layers:
             kernels.set_fused_ops(self.model, False, "fused_layer")
         if self.device.type == "cpu":
-            if config.linear_backend == "auto":
-                n = pack_linears(self.model)
-                logger.info("linear layers: %d of %d on oneDNN with packed weights", n,
-                            sum(isinstance(m, Linear) for m in self.model.modules()))
+            if config.linear_backend != "torch":
+                pack_linears(self.model, config.linear_backend)
+                kinds = Counter(m.kind for m in self.model.modules() if isinstance(m, Linear))
+                logger.info("linear layers on packed weights: %d on pagedllm's GEMM, %d on "
+                            "oneDNN, %d on F.linear", kinds["gemm"], kinds["onednn"], kinds["torch"])
             if (hint := _openmp.advice(torch.get_num_threads())) is not None:
                 logger.info(hint)
         cache = config.cache

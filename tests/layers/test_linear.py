@@ -16,6 +16,7 @@ from pagedllm.layers.linear import (
     Linear,
     MergedLinear,
     RowParallelLinear,
+    gemm_runs,
     onednn_dtypes,
     pack_linears,
 )
@@ -60,17 +61,25 @@ def _layers(dtype: torch.dtype) -> dict[str, nn.Module]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 16, 67])
-def test_packed_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize("backend", ["onednn", "gemm"])
+def test_packed_equals_f_linear(dtype: torch.dtype, rows: int, backend: str) -> None:
     for kind, m in _layers(dtype).items():
         w = m.weight.detach().clone()
         b = None if m.bias is None else m.bias.detach().clone()
         x = torch.randn(rows, 48).to(dtype)
         want = F.linear(x.float(), w.float(), None if b is None else b.float())
+        # pagedllm's GEMM takes fp32 weights of a width that is a multiple of 32 (qkv, gate_up)
+        gemm = dtype == torch.float32 and w.shape[0] % 32 == 0 and gemm_runs(w)
         with torch.inference_mode():
             plain = m(x)
-            assert m.pack(), kind
+            if backend == "gemm" and not gemm:
+                assert not m.pack(backend="gemm") and m.packed is None and m.kind == "torch", kind
+                continue
+            assert m.pack(backend=backend), kind
             got = m(x)
-        gemv = dtype == torch.float32  # small fp32 layers keep their weight for one-row calls
+        assert m.kind == backend, kind
+        # small fp32 layers on oneDNN keep their weight for one-row calls
+        gemv = dtype == torch.float32 and backend == "onednn"
         assert m.packed is not None and m.gemv == gemv, kind
         assert m.weight.numel() == (w.numel() if gemv else 0), kind
         assert got.dtype == dtype and got.shape == (rows, w.shape[0]), kind
@@ -84,7 +93,7 @@ def test_large_weights_are_held_once(dtype: torch.dtype, monkeypatch: pytest.Mon
     for kind, m in _layers(dtype).items():
         w = m.weight.detach().clone()
         x = torch.randn(1, 48).to(dtype)  # one row: oneDNN too, the plain weight is gone
-        m.pack()
+        m.pack(backend="onednn")
         assert not m.gemv and m.weight.shape == (0, 48) and m.weight.dtype == dtype, kind
         with torch.inference_mode():
             torch.testing.assert_close(m.matmul(x, None).float(), x.float() @ w.float().T,
@@ -96,6 +105,7 @@ def test_packed_takes_batched_and_strided_inputs() -> None:
     m = _init(MergedLinear(48, [32, 16, 16], bias=True), 0)
     w, b = m.weight.detach().clone(), m.bias.detach().clone()
     m.pack()
+    assert m.kind == ("gemm" if gemm_runs(w) else "onednn")
     x = torch.randn(2, 5, 96)[..., ::2]  # [2, 5, 48], not contiguous
     with torch.inference_mode():
         torch.testing.assert_close(m(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
@@ -116,7 +126,7 @@ def test_tied_lm_head_packs_a_copy_and_the_embedding_keeps_its_weight(
     emb = model.embed.weight.detach().clone()
     proj = model.proj.weight.detach().clone()
     monkeypatch.setattr("pagedllm.layers.linear.GEMV_MAX_ELEMENTS", 1000)  # both are large
-    assert pack_linears(model) == 2
+    assert pack_linears(model, "onednn") == 2
     assert model.lm_head.weight is model.embed.weight and torch.equal(model.embed.weight, emb)
     assert model.proj.weight.numel() == 0  # untied: the packed copy replaces it
     ids = torch.tensor([3, 299, 0])
@@ -144,13 +154,16 @@ def test_engine_tokens_and_logprobs_same_with_and_without_onednn(tiny_models: di
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 9, 14, 3, 7][: n + 2]} for n in range(4)]
     outs = {}
-    for backend in ("auto", "torch"):
+    for backend in ("auto", "onednn", "torch"):
         llm = LLM(model=str(tiny_models["qwen2"]), linear_backend=backend, num_kv_blocks=64)
-        assert sum(m.packed is not None for m in llm.engine.runner.model.modules()
-                   if isinstance(m, Linear)) == (0 if backend == "torch" else 4 * 2 + 1)  # 4 a layer + lm_head
+        linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+        assert sum(m.packed is not None for m in linears) == (0 if backend == "torch" else 4 * 2 + 1)  # 4 a layer + lm_head
+        if backend == "auto" and gemm_runs(torch.empty(32, 1)):  # every width is a multiple of 32
+            assert {m.kind for m in linears} == {"gemm"}
         outs[backend] = llm.generate(prompts, params)
-    for a, b in zip(outs["auto"], outs["torch"]):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert la.keys() == lb.keys()
-            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+    for packed in ("auto", "onednn"):
+        for a, b in zip(outs[packed], outs["torch"]):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert la.keys() == lb.keys()
+                assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)

@@ -10,9 +10,9 @@
 //                                -> down(silu_and_mul(gate_up(h)))
 //
 // The same ops the Python modules run, in the same order, on the same kernels: a linear runs
-// oneDNN on its packed weight (mkldnn::_linear_pointwise) or at::linear on its plain weight,
-// by the rule of Linear.matmul (layers/linear.py), so the results are bit-identical to the
-// module path in every dtype. What the fused path does not cover (tensor parallelism,
+// pagedllm's GEMM (gemm.cpp) or oneDNN (mkldnn::_linear_pointwise) on its packed weight, or
+// at::linear on its plain weight, by the rule of Linear.matmul (layers/linear.py), so the
+// results are bit-identical to the module path in every dtype. What the fused path does not cover (tensor parallelism,
 // quantized KV, CUDA, no kernels) the model runs through its modules.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -23,6 +23,7 @@
 #include <optional>
 
 #include "elementwise.h"
+#include "gemm.h"
 
 namespace pagedllm {
 namespace {
@@ -37,6 +38,8 @@ at::Tensor linear(const at::Tensor& x, const OptTensor& packed, const OptTensor&
     TORCH_CHECK(weight.has_value(), "a linear needs its packed or its plain weight");
     return at::linear(x, *weight, bias);
   }
+  if (packed->dim() == 3)  // pack_gemm_weight's panels (Linear.kind "gemm": N = 32 * panels)
+    return gemm_packed(x.contiguous(), *packed, packed->size(0) * GEMM_PANEL, bias);
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, *packed, bias, std::string("none"),

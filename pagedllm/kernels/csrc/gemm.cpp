@@ -1,0 +1,157 @@
+// float32 linear layers on a weight packed once: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+//
+// Why not oneDNN: at the rows a decode step runs (M = 1-64) and the widths of small models
+// (K = 256-2048), oneDNN's per-call cost (primitive descriptor, memory descriptors, a scratch
+// allocation) and its thread split are a large share of the call; this kernel has none of it.
+//
+// Layout: W is packed into panels of 32 output columns, K-major,
+//
+//     packed[p, k, j] = W[32 p + j, k]      (zero where 32 p + j >= N)   -> [ceil(N/32), K, 32]
+//
+// so a 32-column panel is one contiguous K x 128-byte strip. A tile of MR rows x 32 columns
+// keeps its 2 * MR accumulators in zmm registers over the whole K loop: per k, two loads of
+// the panel, MR broadcasts of x, 2 * MR FMAs. Panels are split over threads (each thread's
+// panels stay in its L1/L2 while it walks all M rows); each output is one fp32 sum in k order.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "gemm.h"
+
+namespace pagedllm {
+namespace {
+
+constexpr int64_t PANEL = GEMM_PANEL;
+constexpr int MR = 8;          // rows per register tile
+constexpr int64_t M_CHUNK = 64;  // rows of x walked over a thread's panels at a time
+// Calls of fewer multiply-adds than this run on the calling thread: waking the other threads
+// costs more than they save.
+constexpr int64_t PARALLEL_MIN_MACS = 1 << 20;
+
+#if defined(__AVX512F__)
+template <int R>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t k_n, const float* bias,
+                 float* y, int64_t ldy, int64_t n_valid) {
+  __m512 a0[R], a1[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_n; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(w + k * PANEL), w1 = _mm512_loadu_ps(w + k * PANEL + 16);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
+      a0[r] = _mm512_fmadd_ps(xb, w0, a0[r]);
+      a1[r] = _mm512_fmadd_ps(xb, w1, a1[r]);
+    }
+  }
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  const __mmask16 m0 = n_valid >= 16 ? 0xFFFF : (1u << n_valid) - 1;
+  const __mmask16 m1 = n_valid >= 32 ? 0xFFFF : n_valid <= 16 ? 0 : (1u << (n_valid - 16)) - 1;
+  if (bias != nullptr) {
+    b0 = _mm512_maskz_loadu_ps(m0, bias);
+    b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, m0, bias ? _mm512_add_ps(a0[r], b0) : a0[r]);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, bias ? _mm512_add_ps(a1[r], b1) : a1[r]);
+  }
+}
+#else
+template <int R>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t k_n, const float* bias,
+                 float* y, int64_t ldy, int64_t n_valid) {
+  float acc[R][PANEL] = {};
+  for (int64_t k = 0; k < k_n; ++k)
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * ldx + k];
+#pragma omp simd
+      for (int64_t j = 0; j < PANEL; ++j) acc[r][j] += xv * w[k * PANEL + j];
+    }
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < n_valid; ++j) y[r * ldy + j] = acc[r][j] + (bias ? bias[j] : 0.0f);
+}
+#endif
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*,
+                        int64_t, int64_t);
+constexpr TileFn TILES[MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
+                                  tile<5>, tile<6>, tile<7>, tile<8>};
+
+}  // namespace
+
+// Whether the tiles are AVX-512 code; elsewhere they are plain loops, slower than oneDNN.
+bool gemm_vectorized() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack_gemm_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2,
+              "pack_gemm_weight takes a float32 CPU weight [N, K]");
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + PANEL - 1) / PANEL;
+  at::Tensor packed = at::zeros({panels, k, PANEL}, w.options());
+  const at::Tensor wc = w.contiguous();
+  const float* src = wc.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  for (int64_t row = 0; row < n; ++row)
+    for (int64_t kk = 0; kk < k; ++kk)
+      dst[((row / PANEL) * k + kk) * PANEL + row % PANEL] = src[row * k + kk];
+  return packed;
+}
+
+at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.stride(1) == 1, "x must be a float32 CPU tensor [M, K], contiguous rows");
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 &&
+                  packed.size(1) == x.size(1) && packed.size(2) == PANEL &&
+                  packed.size(0) == (n + PANEL - 1) / PANEL && packed.is_contiguous(),
+              "packed must be pack_gemm_weight's [ceil(N/32), K, 32] of a weight with K = x's");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
+                "bias must be float32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), ldx = x.stride(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = m * n * k < PARALLEL_MIN_MACS ? panels : 1;
+  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t r0 = 0; r0 < m; r0 += M_CHUNK)  // these rows of x stay in L2 over the panels
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t col = p * PANEL, n_valid = std::min(PANEL, n - col);
+        for (int64_t r = r0; r < std::min(m, r0 + M_CHUNK); r += MR) {
+          const int64_t rows = std::min<int64_t>(MR, m - r);
+          TILES[rows](xp + r * ldx, ldx, wp + p * k * PANEL, k, b ? b + col : nullptr,
+                      yp + r * n + col, n, n_valid);
+        }
+      }
+  });
+  return y;
+}
+
+}  // namespace pagedllm
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("gemm_vectorized() -> bool", &pagedllm::gemm_vectorized);
+  m.def("pack_gemm_weight(Tensor w) -> Tensor", &pagedllm::pack_gemm_weight);
+  m.def("gemm_packed(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor",
+        &pagedllm::gemm_packed);
+}
