@@ -14,7 +14,6 @@ to be sized from ``gpu_memory_utilization`` the runner profiles the worst-case s
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -97,16 +96,13 @@ class ModelRunner:
         if profiler is not None:
             profiler.start()
         self.model = load_model(config.model, self.backend, str(self.device), tp)
-        if not config.fused_ops:
-            kernels.set_fused_ops(self.model, False)
-        if not config.fused_layers:
-            kernels.set_fused_ops(self.model, False, "fused_layer")
+        kernels.set_fused_ops(self.model, config.fused_ops)
+        kernels.set_fused_ops(self.model, config.fused_layers, "fused_layer")
         if self.device.type == "cpu":
             if config.linear_backend != "torch":
                 pack_linears(self.model, config.linear_backend)
-                kinds = Counter(m.kind for m in self.model.modules() if isinstance(m, Linear))
-                logger.info("linear layers on packed weights: %d on pagedllm's GEMM, %d on "
-                            "oneDNN, %d on F.linear", kinds["gemm"], kinds["onednn"], kinds["torch"])
+                kinds = [m.kind for m in self.model.modules() if isinstance(m, Linear)]
+                logger.info("linear layers per kind: %s", {k: kinds.count(k) for k in set(kinds)})
             if (hint := _openmp.advice(torch.get_num_threads())) is not None:
                 logger.info(hint)
         cache = config.cache
