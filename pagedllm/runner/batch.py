@@ -133,14 +133,21 @@ class Uploader:
 
     def metadata(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids [T], positions [T], AttentionMetadata) of a host batch."""
-        ids, pos, slots, qsl, seq, tab = self.upload(
-            [hb.input_ids, hb.positions, hb.slots, hb.q_start, hb.seq_lens, hb.tables]
-        )
+        if self.cuda:
+            ids, pos, slots, qsl, seq, tab = self.upload(
+                [hb.input_ids, hb.positions, hb.slots, hb.q_start, hb.seq_lens, hb.tables]
+            )
+            qsl, seq, tab = qsl.to(torch.int32), seq.to(torch.int32), tab.to(torch.int32)
+        else:  # views of the host arrays; the int32 ones cast by numpy (cheaper than torch)
+            ids, pos, slots = (torch.from_numpy(a) for a in (hb.input_ids, hb.positions,
+                                                             hb.slots))
+            qsl, seq, tab = (torch.from_numpy(a.astype(np.int32)) for a in (hb.q_start,
+                                                                            hb.seq_lens, hb.tables))
         meta = AttentionMetadata(
             slot_mapping=slots,
-            query_start_loc=qsl.to(torch.int32),
-            seq_lens=seq.to(torch.int32),
-            block_tables=tab.to(torch.int32),
+            query_start_loc=qsl,
+            seq_lens=seq,
+            block_tables=tab,
             max_query_len=hb.max_query_len,
             max_seq_len=int(hb.seq_lens.max()),
             query_start_loc_cpu=hb.q_start.tolist(),
