@@ -14,9 +14,9 @@
 //   position p of request r:  block = block_tables[r, p / block_size], offset = p % block_size
 //   K row (p, h) = k_cache[block, offset, h, :]   (strides from the tensor; last dim contiguous)
 //
-// Work items are split over at::parallel_for threads in contiguous ranges of roughly equal cost
-// (positions read x query rows), so a batch of ragged lengths does not leave a thread idle.
-// Each item's arithmetic does not depend on the split: the output has the same bits at any
+// Work items are claimed by at::parallel_for threads one at a time, costliest (positions read x
+// query rows) first, so a batch of ragged lengths or a late thread does not leave one idle.
+// Each item's arithmetic does not depend on who runs it: the output has the same bits at any
 // thread count.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -269,25 +270,28 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t threads = at::get_num_threads(), nc = static_cast<int64_t>(chunks.size());
   const int64_t splits = std::min(hkv, (threads + nc - 1) / nc), per = (hkv + splits - 1) / splits;
   std::vector<Item> items;
-  std::vector<int64_t> cost{0};  // prefix sums of (positions read + an overhead) x query rows
+  std::vector<int64_t> cost;  // (positions read + an overhead) x query rows
   for (const Item& c : chunks)
     for (int64_t h0 = 0; h0 < hkv; h0 += per) {
       items.push_back({c.r, c.row0, c.base, c.t0, c.t1, h0, std::min(hkv, h0 + per)});
       const int64_t span = c.base + c.t1 - first_pos(pb, c.base + c.t0);
-      cost.push_back(cost.back() + (span + 16) * (c.t1 - c.t0) * per);
+      cost.push_back((span + 16) * (c.t1 - c.t0) * per);
     }
   const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t n_chunks = std::min(threads, n_items);
-  std::vector<int64_t> bounds(n_chunks + 1, n_items);
-  bounds[0] = 0;
-  for (int64_t c = 1, i = 0; c < n_chunks; ++c) {
-    while (i < n_items && cost[i] * n_chunks < cost[n_items] * c) ++i;
-    bounds[c] = i;
-  }
   const int64_t max_rows = per * pb.group * std::min(QCHUNK, max_query_len);
-  at::parallel_for(0, n_chunks, 1, [&](int64_t c0, int64_t c1) {
+  // Items claimed one at a time, costliest first, by whichever thread is free: a thread that
+  // starts late (woken from sleep, or kept off its core by another process) takes less work
+  // instead of holding up the others at the end of the region.
+  std::vector<int64_t> order(n_items);
+  for (int64_t i = 0; i < n_items; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return cost[a] > cost[b];
+  });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, n_items), 1, [&](int64_t, int64_t) {
     Scratch s(max_rows, d);
-    for (int64_t i = bounds[c0]; i < bounds[c1]; ++i) attend(pb, s, items[i]);
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;)
+      attend(pb, s, items[order[i]]);
   });
 }
 
