@@ -130,15 +130,13 @@ void values_avx512(float* acc, int64_t g, int64_t, const float* p, const void* c
       }
     for (int64_t i = 0; i < n; i += 2) {  // rows and p are padded to 16 (zero rows, p = 0)
       const T *r0 = static_cast<const T*>(rows[i]), *r1 = static_cast<const T*>(rows[i + 1]);
-      __m512 v0[NV], v1[NV];  // widened once, used by every acc row of the block
-      for (int c = 0; c < NV; ++c) v0[c] = load16<T>(r0 + c * 16), v1[c] = load16<T>(r1 + c * 16);
       for (int jj = 0; jj < JB; ++jj) {
         if (jj >= jn) break;
         const float* pj = p + (j0 + jj) * TILE + i;
         __m512 p0 = _mm512_set1_ps(pj[0]), p1 = _mm512_set1_ps(pj[1]);
         for (int c = 0; c < NV; ++c) {
-          a0[jj][c] = _mm512_fmadd_ps(p0, v0[c], a0[jj][c]);
-          a1[jj][c] = _mm512_fmadd_ps(p1, v1[c], a1[jj][c]);
+          a0[jj][c] = _mm512_fmadd_ps(p0, load16<T>(r0 + c * 16), a0[jj][c]);
+          a1[jj][c] = _mm512_fmadd_ps(p1, load16<T>(r1 + c * 16), a1[jj][c]);
         }
       }
     }

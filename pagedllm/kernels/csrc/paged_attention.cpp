@@ -111,10 +111,10 @@ void tile_rows(const CacheView& c, const Scratch& s, int64_t n, int64_t n16, int
 void prefetch_rows(const CacheView& c, const int32_t* table, int64_t block_size, int64_t p0,
                    int64_t p1, int64_t h0, int64_t h1, int64_t d) {
   const int64_t bytes = ((h1 - h0 - 1) * c.s_head + d) * c.elem;  // heads h0..h1-1 of one slot
-  for (int64_t p = p0; p < p1; ++p) {
-    const char* row = c.data + (table[p / block_size] * c.s_block + (p % block_size) * c.s_off +
-                                h0 * c.s_head) * c.elem;
+  for (int64_t p = p0, bi = p0 / block_size, off = p0 % block_size; p < p1; ++p) {
+    const char* row = c.data + (table[bi] * c.s_block + off * c.s_off + h0 * c.s_head) * c.elem;
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+    if (++off == block_size) off = 0, ++bi;
   }
 }
 
@@ -189,13 +189,13 @@ void attend(const Problem& pb, Scratch& s, const Item& it) {
           std::fill(pj, pj + n16, 0.0f);
           continue;
         }
-        float mx = s.m[j];
-        for (int64_t i = a; i < b; ++i) mx = std::max(mx, pj[i]);
-        float sum = 0.0f;
+        float *x = pj + a, mx = s.m[j], sum = 0.0f;
+        const int64_t m = b - a;
+        for (int64_t i = 0; i < m; ++i) mx = std::max(mx, x[i]);
 #pragma omp simd reduction(+ : sum)
-        for (int64_t i = a; i < b; ++i) {
-          pj[i] = exp_approx(pj[i] - mx);
-          sum += pj[i];
+        for (int64_t i = 0; i < m; ++i) {
+          x[i] = exp_approx(x[i] - mx);
+          sum += x[i];
         }
         std::fill(pj, pj + a, 0.0f);
         std::fill(pj + b, pj + n16, 0.0f);
@@ -278,7 +278,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
       cost.push_back((span + 16) * (c.t1 - c.t0) * per);
     }
   const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t max_rows = per * pb.group * std::min(QCHUNK, max_query_len);
+  int64_t max_tokens = 1;  // per item: scratch for that many query tokens, no more
+  for (const Item& c : chunks) max_tokens = std::max(max_tokens, c.t1 - c.t0);
+  const int64_t max_rows = per * pb.group * max_tokens;
   // Items claimed one at a time, costliest first, by whichever thread is free: a thread that
   // starts late (woken from sleep, or kept off its core by another process) takes less work
   // instead of holding up the others at the end of the region.
