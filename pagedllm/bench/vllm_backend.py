@@ -89,7 +89,7 @@ class VllmBackend:
                   "seed": cfg.seed, **(llm_kwargs or {})}
         env = dict(os.environ)
         if _openmp.SET_BY_PAGEDLLM:  # vLLM runs at the user's OpenMP settings, not pagedllm's
-            env.pop("OMP_WAIT_POLICY")
+            env.pop(_openmp.SET_BY_PAGEDLLM)
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(torch.get_num_threads()))
         kv = cfg.cache.kv_cache_memory
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(4 if kv is None else -(-kv // 2**30)))
