@@ -104,7 +104,8 @@ def _generating(engine: Any) -> bool:
 
 
 def test_no_prompt_text_unless_asked(inspected: ServerThread, chat_model: Path) -> None:
-    with traffic(inspected, num=3, max_tokens=60):
+    # slowed: the engine's steps got fast enough that 3 x 60 tokens could finish between polls
+    with slowed(inspected), traffic(inspected, num=3, max_tokens=60):
         deadline = time.monotonic() + 30
         while not (raw := httpx.get(inspected.base_url + "/kv/state", headers=auth(),
                                     timeout=30).text).count('"state":"running"'):
