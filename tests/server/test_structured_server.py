@@ -175,3 +175,16 @@ def test_honoured_fields(rand: ServerThread) -> None:
               extra_body={"ignore_eos": True, "use_beam_search": False, "length_penalty": 1.0})
     assert r.choices[0].finish_reason == "length"
     rand.wait_idle()
+
+
+def test_the_request_field_takes_every_structured_outputs_param() -> None:
+    """The server's ``structured_outputs`` model and ``StructuredOutputsParams`` list the same
+    fields with the same defaults (written twice: a pydantic model and a dataclass)."""
+    import dataclasses
+
+    from pagedllm import StructuredOutputsParams
+    from pagedllm.server.protocol import StructuredOutputsFields
+
+    server = {(f.alias or name): f.default for name, f in StructuredOutputsFields.model_fields.items()}
+    params = {f.name: f.default for f in dataclasses.fields(StructuredOutputsParams)}
+    assert server == params
