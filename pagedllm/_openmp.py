@@ -36,7 +36,7 @@ QUIET_BUSY_CORES = 0.3
 SAMPLE_S = 0.05
 
 
-def _cpu_times() -> tuple[int, int] | None:
+def cpu_times() -> tuple[int, int] | None:
     """(busy, total) jiffies over all CPUs from /proc/stat; None where it cannot be read."""
     try:
         with open("/proc/stat") as f:
@@ -53,9 +53,9 @@ def _cpu_times() -> tuple[int, int] | None:
 def busy_cores(sample_s: float = SAMPLE_S) -> float | None:
     """How many cores' worth of CPU the machine spent busy over ``sample_s`` (this process
     sleeps meanwhile, so it is other processes' load); None where /proc/stat is missing."""
-    a = _cpu_times()
+    a = cpu_times()
     time.sleep(sample_s)
-    b = _cpu_times()
+    b = cpu_times()
     if a is None or b is None or b[1] <= a[1]:
         return None
     return (b[0] - a[0]) / (b[1] - a[1]) * (os.cpu_count() or 1)

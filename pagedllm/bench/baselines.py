@@ -12,10 +12,12 @@ on that same device at the dtype the engine resolves (``ModelConfig.from_hf(mode
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from pagedllm._openmp import cpu_times
 from pagedllm.bench.device import require_device, synchronize
 from pagedllm.bench.workload import BenchRequest
 
@@ -88,6 +90,7 @@ class EngineBackend:
         ids = [f"b{i}" for i in range(len(reqs))]
         outputs: dict[str, list[int]] = {}
         synchronize(self.device)
+        m0 = cpu_times()
         t0, c0 = time.perf_counter(), time.process_time()
         for rid, r in zip(ids, reqs):
             params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True,
@@ -104,6 +107,7 @@ class EngineBackend:
             wait_s += eng.stats.grammar_wait_time_s
         synchronize(self.device)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+        m1 = cpu_times()
         outs = [outputs[i] for i in ids]
         n_out = sum(len(o) for o in outs)
         stats = trace.summary()
@@ -111,6 +115,8 @@ class EngineBackend:
         stats["num_preemptions"] = eng.num_preemptions - preempted_before
         stats["num_steps"] = len(trace.t)  # this run's step records (`pagedllm plan` replays these)
         stats["cpu_s"] = cpu  # all of this process's threads (on a shared machine, steadier)
+        if m0 is not None and m1 is not None:  # every process's, to see what else ran meanwhile
+            stats["machine_cpu_s"] = (m1[0] - m0[0]) / os.sysconf("SC_CLK_TCK")
         if eng.spec is not None:
             stats.update(spec_stats(spec_before, eng.spec.total))
         if so is not None:  # llguidance's time computing masks, and the part sampling waited for

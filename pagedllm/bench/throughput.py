@@ -71,6 +71,10 @@ def run_throughput(
             row["cpu_s"] = min(r.stats["cpu_s"] for r in rs)
             row["cpu_s_all"] = [r.stats["cpu_s"] for r in rs]
             row["output_tokens_per_cpu_s"] = best.output_tokens / row["cpu_s"]
+        if all("machine_cpu_s" in r.stats and "cpu_s" in r.stats for r in rs):
+            # what every other process used meanwhile (another backend's idle processes too)
+            row["other_cpu_s_all"] = [max(0.0, r.stats["machine_cpu_s"] - r.stats["cpu_s"])
+                                      for r in rs]
         results.append(row)
 
     ref = "pagedllm" if "pagedllm" in backends else backends[0]
@@ -122,6 +126,11 @@ def report_throughput(res: dict[str, Any], output_dir: Path, output_json: Path |
               f"{cpu}")
     for pair, m in res["greedy_output_agreement"].items():
         print(f"greedy outputs identical {pair}: {m:.0%}")
+    others = [f"{r['backend']} {max(r['other_cpu_s_all']):.2f}" for r in res["results"]
+              if "other_cpu_s_all" in r]
+    if others:
+        print("CPU s other processes used during a run, at most (the machine's busy time less "
+              "the backend's): " + ", ".join(others))
     for r in res["results"]:
         if "spec_num_draft_tokens" in r:  # a speculating engine: its fastest run's counts
             print(f"{r['backend']}: speculation accepted {r['spec_num_accepted_tokens']} of "

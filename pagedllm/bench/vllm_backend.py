@@ -20,6 +20,13 @@ process group: ``close()`` (run_throughput calls it; garbage collection and inte
 too) kills the whole group after the worker exits, at once when a call was in flight (an
 interrupt); a benchmark killed outright takes the group down from the worker's side
 (vllm_worker.py). A leftover ``VLLM::EngineCore`` holds gigabytes.
+
+A run returns only once vLLM's processes are idle (``wait_until_idle``). After each message
+vLLM's worker keeps polling its shared-memory queue for a second (``sched_yield`` in a loop:
+``shm_broadcast.SpinCondition``, ``busy_loop_s=1``), a whole core; the backend timed next would
+share the machine with it. On the 5M model a pagedllm run takes ~1 s, so this halved the
+machine for most of it. ``bench throughput`` reports what other processes used during each run
+(``machine_cpu_s`` minus ``cpu_s``).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +48,9 @@ from pagedllm.bench.baselines import RunResult
 from pagedllm.bench.workload import BenchRequest
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
+IDLE_WINDOW_S = 0.2  # idle: the group used at most IDLE_CORES of a core over this window
+IDLE_CORES = 0.1
+IDLE_LIMIT_S = 10.0  # give up waiting (a busy machine, a vLLM that never settles) after this
 
 
 def find_vllm_python(explicit: str | None = None) -> str | None:
@@ -116,11 +127,13 @@ class VllmBackend:
     def run(self, reqs: list[BenchRequest]) -> RunResult:
         res = self._call({"cmd": "run",
                           "requests": [[r.prompt_token_ids, r.max_tokens] for r in reqs]})
+        idle_s = wait_until_idle(self.proc.pid)
         outs: list[list[int]] = res["outputs"]
         n = sum(len(o) for o in outs)
+        cpu: dict[str, float] = {k: res[k] for k in ("cpu_s", "machine_cpu_s") if k in res}
         return RunResult(self.name, res["elapsed_s"], len(reqs), sum(r.prompt_len for r in reqs),
-                         n, n, outs, {**self.info, "log": str(self.log),
-                                      **({"cpu_s": res["cpu_s"]} if "cpu_s" in res else {})})
+                         n, n, outs, {**self.info, "log": str(self.log), **cpu,
+                                      "idle_wait_s": idle_s})
 
     def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -140,6 +153,44 @@ class VllmBackend:
             raise RuntimeError(f"vLLM failed during {msg['cmd']!r} (log: {self.log}):\n"
                                f"{reply.get('error')}")
         return reply
+
+
+def group_cpu_ticks(pgid: int) -> int | None:
+    """Clock ticks (user + system, all threads) of the live processes of process group ``pgid``;
+    None when it has none or there is no /proc."""
+    total, found = 0, False
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+            found = True
+    return total if found else None
+
+
+def wait_until_idle(pgid: int, window_s: float = IDLE_WINDOW_S,
+                    limit_s: float = IDLE_LIMIT_S) -> float:
+    """Wait until process group ``pgid`` used at most ``IDLE_CORES`` of a core over a whole
+    ``window_s``, at most ``limit_s``; returns the seconds waited."""
+    t0 = time.perf_counter()
+    hz = os.sysconf("SC_CLK_TCK")
+    prev = group_cpu_ticks(pgid)
+    while prev is not None and time.perf_counter() - t0 < limit_s:
+        time.sleep(window_s)
+        cur = group_cpu_ticks(pgid)
+        if cur is None or (cur - prev) / hz <= IDLE_CORES * window_s:
+            break
+        prev = cur
+    return time.perf_counter() - t0
 
 
 def _tail(path: Path, lines: int = 30) -> str:

@@ -67,16 +67,29 @@ def _run(llm: Any, requests: list[list[Any]]) -> dict[str, Any]:
     prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
     llm.reset_prefix_cache()  # a repetition must not hit the previous one's blocks
-    c0 = _tree_cpu_s()
+    c0, m0 = _tree_cpu_s(), _machine_busy_s()
     t0 = time.perf_counter()
     res = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    c1 = _tree_cpu_s()
+    c1, m1 = _tree_cpu_s(), _machine_busy_s()
     reply: dict[str, Any] = {"elapsed_s": elapsed,
                              "outputs": [list(r.outputs[0].token_ids) for r in res]}
     if c0 is not None and c1 is not None:
         reply["cpu_s"] = c1 - c0
+    if m0 is not None and m1 is not None:
+        reply["machine_cpu_s"] = m1 - m0
     return reply
+
+
+def _machine_busy_s() -> float | None:
+    """CPU seconds every process on the machine has spent busy, from /proc/stat's first line
+    (pagedllm/_openmp.py reads it the same way; this file cannot import pagedllm)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+        return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _tree_cpu_s() -> float | None:

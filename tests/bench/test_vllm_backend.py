@@ -19,7 +19,13 @@ from pathlib import Path
 import pytest
 
 from pagedllm.bench.throughput import run_throughput
-from pagedllm.bench.vllm_backend import VllmBackend, cpu_bind, make_vllm_backend
+from pagedllm.bench.vllm_backend import (
+    VllmBackend,
+    cpu_bind,
+    group_cpu_ticks,
+    make_vllm_backend,
+    wait_until_idle,
+)
 from pagedllm.bench.workload import build_workload
 from pagedllm.entrypoints.cli import main
 
@@ -53,6 +59,10 @@ class LLM:
             import time; time.sleep(600)
         assert all(p.kw == {"temperature": 0.0, "max_tokens": p.kw["max_tokens"],
                             "ignore_eos": True} for p in params)
+        if os.environ.get("STAND_IN_SPIN_S"):  # a process busy after the reply, as vLLM's
+            import subprocess, sys                # worker polls its queue for a second
+            subprocess.Popen([sys.executable, "-c", "import time\\nt = time.monotonic() + "
+                              + os.environ["STAND_IN_SPIN_S"] + "\\nwhile time.monotonic() < t: pass"])
         return [_Res([sum(p["prompt_token_ids"]) % 97 + i for i in range(s.kw["max_tokens"])])
                 for p, s in zip(prompts, params)]
 __version__ = "0.0-stand-in"
@@ -133,6 +143,26 @@ def _wait_for(path: Path, proc: subprocess.Popen | None = None, within_s: float 
         assert time.monotonic() < deadline, f"{path} never appeared"
         assert proc is None or proc.poll() is None, proc.communicate()
         time.sleep(0.05)
+
+
+def test_a_run_returns_once_the_vllm_processes_are_idle(
+        stand_in: str, tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's worker spins on a core for a second after each message; the backend timed next
+    must not share the machine with it, and the run reports what other processes used."""
+    monkeypatch.setenv("STAND_IN_SPIN_S", "1.0")
+    kw = _kwargs(tiny_models["llama"])
+    spec, reqs, _ = build_workload(kw, dict(num_prompts=3, prompt_median=8, output_median=6))
+    b = make_vllm_backend(kw, stand_in)
+    try:
+        res = b.run(reqs)
+        after = group_cpu_ticks(b.proc.pid)
+        time.sleep(0.5)
+        assert group_cpu_ticks(b.proc.pid) - after <= 0.1 * 0.5 * os.sysconf("SC_CLK_TCK")
+        assert 0.8 <= res.stats["idle_wait_s"] < 5
+        assert res.stats["machine_cpu_s"] >= 0 and res.stats["cpu_s"] >= 0
+    finally:
+        b.close()
+    assert wait_until_idle(b.proc.pid) < 1  # a group that is gone (or idle) is not waited for
 
 
 def test_close_kills_the_engine_processes(stand_in: str, tmp_path: Path,
