@@ -77,7 +77,8 @@ class EngineArgs:
     enforce_eager: bool = setting(_E.enforce_eager, "CUDA: no CUDA graphs; every step runs eagerly")
     linear_backend: str = setting(
         _E.linear_backend, "CPU: auto = linear layers on weights packed at load (float32: "
-        "pagedllm's GEMM where it runs, else oneDNN), onednn = oneDNN only, torch = F.linear",
+        "pagedllm's GEMM where it runs, else oneDNN), gemm = pagedllm's GEMM only (float32; "
+        "bfloat16 with AVX512-BF16), onednn = oneDNN only, torch = F.linear",
         choices=LINEAR_BACKENDS)
     fused_ops: bool = setting(
         _E.fused_ops, "CPU: RMSNorm (+ residual add), rotary and SiLU-and-mul as fused C++ ops "

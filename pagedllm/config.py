@@ -327,7 +327,7 @@ class ParallelConfig:
             raise ValueError(f"timeout_s={self.timeout_s} must be > 0")
 
 
-LINEAR_BACKENDS = ("auto", "onednn", "torch")
+LINEAR_BACKENDS = ("auto", "gemm", "onednn", "torch")
 
 
 @dataclass(frozen=True)
@@ -346,8 +346,9 @@ class EngineConfig:
     # CUDA only: run every step eagerly instead of replaying CUDA graphs for decode batches.
     enforce_eager: bool = False
     # CPU: "auto" runs linear layers on packed weights where it can (float32 on pagedllm's own
-    # GEMM, else oneDNN: float32, and bfloat16 on CPUs with it; layers/linear.py), "onednn" on
-    # oneDNN alone, "torch" always on F.linear.
+    # GEMM, else oneDNN: float32, and bfloat16 on CPUs with it; layers/linear.py), "gemm" on
+    # pagedllm's GEMM alone (float32, and bfloat16 on CPUs with AVX512-BF16; F.linear where it
+    # does not run), "onednn" on oneDNN alone, "torch" always on F.linear.
     linear_backend: str = "auto"
     # CPU: RMSNorm (+ residual add), rotary and SiLU-and-mul as fused C++ ops where the kernels
     # are built (pagedllm/kernels); False runs the torch ops.

@@ -37,11 +37,11 @@ class Linear(nn.Linear):
 
     Two packings, both made once at load so that no call repacks the weight:
 
-    - ``"gemm"`` (float32, where pagedllm's CPU kernels are built with AVX-512, the output
-      width a multiple of 32): ``torch.ops.pagedllm.gemm_packed`` (kernels/csrc/gemm.cpp), a
-      register-tiled GEMM on 32-column panels with no per-call setup: at the rows a step runs
-      (1-256) 1.0-1.6x oneDNN's time on the benchmark models' shapes, 3-20x at 1-8 rows, even
-      with oneDNN at larger row counts (``pagedllm bench linear`` measures it).
+    - ``"gemm"`` (float32, and bfloat16 on CPUs with AVX512-BF16, where pagedllm's CPU kernels
+      are built, the output width a multiple of 32): ``torch.ops.pagedllm.gemm_packed``
+      (kernels/csrc/gemm.cpp, gemm_bf16.cpp), a register-tiled GEMM on 32-column panels with
+      no per-call setup: in float32, at the rows a step runs (1-256), 1.0-1.6x oneDNN's time on
+      the benchmark models' shapes, 3-20x at 1-8 rows (``pagedllm bench linear`` measures it).
     - ``"onednn"``: oneDNN's blocked layout for this CPU (float32, bfloat16 where the CPU has
       it): 1.3-5x the GFLOP/s of ``F.linear`` on 2 cores at the batch rows the engine runs; in
       float32 a single row on a small weight still goes to F.linear (``GEMV_MAX_ELEMENTS``).
@@ -53,13 +53,15 @@ class Linear(nn.Linear):
     gemv: bool = False  # packed for oneDNN, and a single row still goes to F.linear on the plain weight
 
     def pack(self, keep_weight: bool = False, backend: str = "auto") -> bool:
-        """Pack the weight (``backend`` "auto": "gemm" where it runs, else "onednn"; or either
-        by name); False (and nothing changes) where no packing runs it: not on CPU, no oneDNN,
-        or a dtype it does not run here (``onednn_dtypes``)."""
+        """Pack the weight (``backend`` "auto": "gemm" where it runs and its dtype is in
+        ``AUTO_GEMM_DTYPES``, else "onednn"; or either by name); False (and nothing changes)
+        where no packing runs it: not on CPU, no oneDNN, or a dtype it does not run here
+        (``onednn_dtypes``, ``gemm_runs``)."""
         w = self.weight
         if w.device.type != "cpu" or self.packed is not None:
             return False
-        if backend != "onednn" and gemm_runs(w):
+        auto_gemm = backend == "auto" and w.dtype in AUTO_GEMM_DTYPES
+        if gemm_runs(w) and (backend == "gemm" or auto_gemm):
             self.packed, self.kind = torch.ops.pagedllm.pack_gemm_weight(w.detach()), "gemm"
         elif backend != "gemm" and w.dtype in onednn_dtypes():
             self.packed, self.kind = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), "onednn"
@@ -93,12 +95,27 @@ class Linear(nn.Linear):
         return self.packed, plain, self.bias
 
 
+# The dtypes "auto" runs on pagedllm's GEMM where it runs (elsewhere on oneDNN). bfloat16 stays
+# on oneDNN under "auto" until the engine measures the GEMM faster (``--linear-backend gemm``).
+AUTO_GEMM_DTYPES: tuple[torch.dtype, ...] = (torch.float32,)
+
+
+def gemm_dtypes() -> tuple[torch.dtype, ...]:
+    """Weight dtypes pagedllm's GEMM runs on this CPU: float32 where the kernels are built with
+    AVX-512, bfloat16 where the CPU has AVX512-BF16 (``vdpbf16ps``); none without the kernels.
+    Elsewhere those layers take oneDNN where ``onednn_dtypes`` has their dtype."""
+    if not kernels.available():
+        return ()
+    ops = torch.ops.pagedllm
+    runs = ((torch.float32, ops.gemm_vectorized()), (torch.bfloat16, ops.gemm_bf16_vectorized()))
+    return tuple(dtype for dtype, ok in runs if ok)
+
+
 def gemm_runs(w: torch.Tensor) -> bool:
-    """Whether ``torch.ops.pagedllm.gemm_packed`` takes this weight: float32 on CPU, an output
-    width that is a multiple of 32 (the panel width, so the decoder-layer ops know it from the
-    packed shape), and the kernels built with AVX-512 here."""
-    return (w.dtype == torch.float32 and w.device.type == "cpu" and w.shape[0] % 32 == 0
-            and kernels.available() and torch.ops.pagedllm.gemm_vectorized())
+    """Whether ``torch.ops.pagedllm.gemm_packed`` takes this weight: on CPU, an output width
+    that is a multiple of 32 (the panel width, so the decoder-layer ops know it from the packed
+    shape), and a dtype in ``gemm_dtypes``."""
+    return w.device.type == "cpu" and w.shape[0] % 32 == 0 and w.dtype in gemm_dtypes()
 
 
 def pack_linears(model: nn.Module, backend: str = "auto") -> int:

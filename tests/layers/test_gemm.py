@@ -1,7 +1,8 @@
-"""pagedllm's float32 GEMM on packed weights (``torch.ops.pagedllm.gemm_packed``,
-kernels/csrc/gemm.cpp) against a float64 matmul: every register-tile height (1-8 rows and the
-64-row chunks), output widths that end inside a 32-column panel, strided rows, bias, the
-threaded split; and its checks."""
+"""pagedllm's float32 and bfloat16 GEMMs on packed weights (``torch.ops.pagedllm.gemm_packed``,
+kernels/csrc/gemm.cpp, gemm_bf16.cpp) against a float64 matmul of the same inputs: every
+register-tile height (1-8 rows and the 64-row chunks), output widths that end inside a 32-column
+panel, odd K (bf16 packs k in pairs), strided rows, bias, the threaded split; bf16's rounding to
+nearest even; and the checks."""
 
 from __future__ import annotations
 
@@ -47,5 +48,93 @@ def test_checks_name_the_argument() -> None:
         torch.ops.pagedllm.gemm_packed(torch.randn(2, 16).half(), packed, 64, None)
     with pytest.raises(RuntimeError, match="bias"):
         torch.ops.pagedllm.gemm_packed(torch.randn(2, 16), packed, 64, torch.randn(63))
-    with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.pagedllm.pack_gemm_weight(w.bfloat16())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.pagedllm.pack_gemm_weight(w.half())
+
+
+needs_bf16 = pytest.mark.skipif(
+    os.environ.get("PAGEDLLM_CPU_KERNELS") == "0" or not kernels.available()
+    or not torch.ops.pagedllm.gemm_bf16_vectorized(), reason="this CPU has no AVX512-BF16")
+
+
+def _bf16_case(m: int, n: int, k: int, bias: bool) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else torch.empty(0)
+    x = torch.randn(m, k + 5, generator=g).bfloat16()[:, 2:2 + k]  # rows with a padded stride
+    return x, w, b
+
+
+@needs_bf16
+@pytest.mark.parametrize("m,n,k", [(1, 32, 16), (1, 40, 1), (3, 40, 7), (8, 64, 48), (13, 96, 33),
+                                   (67, 100, 64), (130, 512, 255), (37, 1280, 256),
+                                   (2100, 64, 40)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_equals_a_float64_matmul(m: int, n: int, k: int, bias: bool) -> None:
+    x, w, b = _bf16_case(m, n, k, bias)
+    packed = torch.ops.pagedllm.pack_gemm_weight(w)
+    assert packed.dtype == torch.bfloat16 and packed.shape == (-(-n // 32), -(-k // 2), 64)
+    y = torch.ops.pagedllm.gemm_packed(x, packed, n, b if bias else None)
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    # bf16 products are exact in fp32; one fp32 sum of k of them (within k ulps of the
+    # magnitudes summed), rounded once to bf16 (within half a bf16 ulp: 2^-8 relative)
+    sums = x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0)
+    bound = 2.0**-8 * want.abs() + (k + 1) * torch.finfo(torch.float32).eps * sums * (1 + 2.0**-8)
+    assert ((y.double() - want).abs() <= bound).all()
+
+
+@needs_bf16
+def test_bf16_rounds_each_output_once_to_nearest_even() -> None:
+    # 1 + 2^-8 lies halfway between bf16 neighbours 1 and 1 + 2^-7: ties go to the even one (1);
+    # 1 + 2^-7 + 2^-8 is halfway to 1 + 2^-6, which is even; just above a tie rounds up
+    w = torch.tensor([[1.0, 2.0**-8], [1.0 + 2.0**-7, 2.0**-8], [1.0, 2.0**-8]] * 11
+                     ).bfloat16()[:32]
+    x = torch.tensor([[1.0, 1.0]]).bfloat16()
+    b = torch.zeros(32).bfloat16()
+    b[2::3] = 2.0**-16  # the third kind of column: a bias that lifts the tie
+    y = torch.ops.pagedllm.gemm_packed(x, torch.ops.pagedllm.pack_gemm_weight(w), 32, b)[0].float()
+    want = torch.tensor([1.0, 1.0 + 2.0**-6, 1.0 + 2.0**-7] * 11)[:32]
+    assert torch.equal(y, want)
+
+
+@needs_bf16
+def test_bf16_odd_k_reads_nothing_past_the_row() -> None:
+    # K = 5: the last k is paired with the packed zero; x's next element (the row's padding)
+    # is NaN and must not reach the sum (NaN * 0 is NaN)
+    full = torch.randn(9, 6).bfloat16()
+    full[:, 5] = float("nan")
+    x, w = full[:, :5], torch.randn(64, 5).bfloat16()
+    y = torch.ops.pagedllm.gemm_packed(x, torch.ops.pagedllm.pack_gemm_weight(w), 64, None)
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.float(), x.float() @ w.float().T, atol=2e-2, rtol=1e-2)
+
+
+@needs_bf16
+def test_bf16_threads_split_columns_with_the_same_bits() -> None:
+    x, w, b = _bf16_case(70, 640, 96, True)  # 4.3M multiply-adds: over the threading threshold
+    packed = torch.ops.pagedllm.pack_gemm_weight(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.ops.pagedllm.gemm_packed(x, packed, 640, b)
+        torch.set_num_threads(max(2, threads))
+        split = torch.ops.pagedllm.gemm_packed(x, packed, 640, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, split)
+
+
+@needs_bf16
+def test_bf16_checks_name_the_argument() -> None:
+    w = torch.randn(64, 16).bfloat16()
+    packed = torch.ops.pagedllm.pack_gemm_weight(w)
+    with pytest.raises(RuntimeError, match="K = x's"):
+        torch.ops.pagedllm.gemm_packed(torch.randn(2, 13).bfloat16(), packed, 64, None)
+    with pytest.raises(RuntimeError, match="bias must be bfloat16"):
+        torch.ops.pagedllm.gemm_packed(torch.randn(2, 16).bfloat16(), packed, 64, torch.randn(64))
+    with pytest.raises(RuntimeError, match="float32 \\[ceil"):  # fp32 x on a bf16 packing
+        torch.ops.pagedllm.gemm_packed(torch.randn(2, 16), packed, 64, None)
+    with pytest.raises(RuntimeError, match="bfloat16 \\[ceil"):  # and the other way round
+        torch.ops.pagedllm.gemm_packed(torch.randn(2, 16).bfloat16(),
+                                       torch.ops.pagedllm.pack_gemm_weight(w.float()), 64, None)

@@ -16,6 +16,7 @@ from pagedllm.layers.linear import (
     Linear,
     MergedLinear,
     RowParallelLinear,
+    gemm_dtypes,
     gemm_runs,
     onednn_dtypes,
     pack_linears,
@@ -68,8 +69,10 @@ def test_packed_equals_f_linear(dtype: torch.dtype, rows: int, backend: str) -> 
         b = None if m.bias is None else m.bias.detach().clone()
         x = torch.randn(rows, 48).to(dtype)
         want = F.linear(x.float(), w.float(), None if b is None else b.float())
-        # pagedllm's GEMM takes fp32 weights of a width that is a multiple of 32 (qkv, gate_up)
-        gemm = dtype == torch.float32 and w.shape[0] % 32 == 0 and gemm_runs(w)
+        # pagedllm's GEMM takes weights of a width that is a multiple of 32 (qkv, gate_up), in
+        # fp32 and, on CPUs with AVX512-BF16, bf16
+        gemm = w.shape[0] % 32 == 0 and w.dtype in gemm_dtypes()
+        assert gemm_runs(w) == gemm, kind
         with torch.inference_mode():
             plain = m(x)
             if backend == "gemm" and not gemm:
@@ -147,6 +150,27 @@ def test_falls_back_to_f_linear_where_onednn_cannot_run(monkeypatch: pytest.Monk
     torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias))
 
 
+@pytest.mark.parametrize("caps", [(torch.float32,), ()])
+def test_bf16_takes_onednn_where_the_gemm_does_not_run(caps: tuple[torch.dtype, ...],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU without AVX512-BF16 (caps: fp32 only) or no kernels at all (none): bf16 layers
+    pack for oneDNN under "auto", "gemm" leaves them on F.linear, and both compute the same."""
+    monkeypatch.setattr("pagedllm.layers.linear.gemm_dtypes", lambda: caps)
+    for kind, m in _layers(torch.bfloat16).items():
+        x = torch.randn(5, 48).bfloat16()
+        with torch.inference_mode():
+            want = m(x)
+            assert not gemm_runs(m.weight) and not m.pack(backend="gemm") and m.packed is None
+            if torch.bfloat16 in onednn_dtypes():
+                assert m.pack() and m.kind == "onednn", kind
+            torch.testing.assert_close(m(x), want, **TOL[torch.bfloat16], msg=kind)
+
+
+def test_no_kernels_no_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pagedllm.kernels.available", lambda: False)
+    assert gemm_dtypes() == ()
+
+
 @needs_onednn
 def test_engine_tokens_and_logprobs_same_with_and_without_onednn(tiny_models: dict[str, Any]) -> None:
     from pagedllm import LLM, SamplingParams
@@ -167,3 +191,26 @@ def test_engine_tokens_and_logprobs_same_with_and_without_onednn(tiny_models: di
             for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
                 assert la.keys() == lb.keys()
                 assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+
+
+@pytest.mark.skipif(torch.bfloat16 not in onednn_dtypes(), reason="no bf16 oneDNN on this CPU")
+def test_engine_bf16_on_the_gemm_agrees_with_onednn(tiny_models: dict[str, Any]) -> None:
+    """bf16 on pagedllm's GEMM (where the CPU has AVX512-BF16) and on oneDNN: two summation
+    orders of the same bf16 products, so not bit-identical, but the greedy tokens and their
+    logprobs agree within bf16's rounding on this model."""
+    from pagedllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 9, 14, 3, 7][: n + 2]} for n in range(4)]
+    outs = {}
+    gemm = "gemm" if torch.bfloat16 in gemm_dtypes() else "onednn"
+    for backend in (gemm, "onednn"):
+        llm = LLM(model=str(tiny_models["qwen2"]), dtype="bfloat16", linear_backend=backend,
+                  num_kv_blocks=64)
+        kinds = {m.kind for m in llm.engine.runner.model.modules() if isinstance(m, Linear)}
+        assert kinds == {backend}
+        outs[backend] = llm.generate(prompts, params)
+    for a, b in zip(outs[gemm], outs["onednn"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for t, la, lb in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert abs(la[t].logprob - lb[t].logprob) < 0.05

@@ -12,13 +12,11 @@
 // keeps its 2 * MR accumulators in zmm registers over the whole K loop: per k, two loads of
 // the panel, MR broadcasts of x, 2 * MR FMAs. Panels are split over threads (each thread's
 // panels stay in its L1/L2 while it walks all M rows); each output is one fp32 sum in k order.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <optional>
 
@@ -32,11 +30,7 @@ namespace pagedllm {
 namespace {
 
 constexpr int64_t PANEL = GEMM_PANEL;
-constexpr int MR = 8;          // rows per register tile
-constexpr int64_t M_CHUNK = 64;  // rows of x walked over a thread's panels at a time
-// Calls of fewer multiply-adds than this run on the calling thread: waking the other threads
-// costs more than they save.
-constexpr int64_t PARALLEL_MIN_MACS = 1 << 20;
+constexpr int64_t PARALLEL_MIN_MACS = 1 << 20;  // gemm_panels' min_macs
 
 #if defined(__AVX512F__)
 template <int R>
@@ -83,10 +77,8 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t k_n, const
 }
 #endif
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*,
-                        int64_t, int64_t);
-constexpr TileFn TILES[MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
-                                  tile<5>, tile<6>, tile<7>, tile<8>};
+constexpr GemmTile<float> TILES[GEMM_MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
+                                               tile<5>, tile<6>, tile<7>, tile<8>};
 
 }  // namespace
 
@@ -100,8 +92,10 @@ bool gemm_vectorized() {
 }
 
 at::Tensor pack_gemm_weight(const at::Tensor& w) {
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2,
-              "pack_gemm_weight takes a float32 CPU weight [N, K]");
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "pack_gemm_weight takes a float32 or bfloat16 CPU weight [N, K]");
+  if (w.scalar_type() == at::kBFloat16) return pack_gemm_weight_bf16(w);
   const int64_t n = w.size(0), k = w.size(1), panels = (n + PANEL - 1) / PANEL;
   at::Tensor packed = at::zeros({panels, k, PANEL}, w.options());
   const at::Tensor wc = w.contiguous();
@@ -115,35 +109,25 @@ at::Tensor pack_gemm_weight(const at::Tensor& w) {
 
 at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
-                  x.stride(1) == 1, "x must be a float32 CPU tensor [M, K], contiguous rows");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a float32 or bfloat16 CPU tensor [M, K], contiguous rows");
+  if (x.scalar_type() == at::kBFloat16) return gemm_packed_bf16(x, packed, n, bias);
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 &&
                   packed.size(1) == x.size(1) && packed.size(2) == PANEL &&
                   packed.size(0) == (n + PANEL - 1) / PANEL && packed.is_contiguous(),
-              "packed must be pack_gemm_weight's [ceil(N/32), K, 32] of a weight with K = x's");
+              "packed must be pack_gemm_weight's float32 [ceil(N/32), K, 32] of a weight with "
+              "K = x's");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
                 "bias must be float32 [N]");
     b = bias->data_ptr<float>();
   }
-  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), ldx = x.stride(0);
+  const int64_t m = x.size(0), k = x.size(1);
   at::Tensor y = at::empty({m, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t grain = m * n * k < PARALLEL_MIN_MACS ? panels : 1;
-  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t r0 = 0; r0 < m; r0 += M_CHUNK)  // these rows of x stay in L2 over the panels
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t col = p * PANEL, n_valid = std::min(PANEL, n - col);
-        for (int64_t r = r0; r < std::min(m, r0 + M_CHUNK); r += MR) {
-          const int64_t rows = std::min<int64_t>(MR, m - r);
-          TILES[rows](xp + r * ldx, ldx, wp + p * k * PANEL, k, b ? b + col : nullptr,
-                      yp + r * n + col, n, n_valid);
-        }
-      }
-  });
+  gemm_panels(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), k * PANEL, b,
+              y.data_ptr<float>(), m, n, k, TILES, PARALLEL_MIN_MACS);
   return y;
 }
 
@@ -151,6 +135,7 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("gemm_vectorized() -> bool", &pagedllm::gemm_vectorized);
+  m.def("gemm_bf16_vectorized() -> bool", &pagedllm::gemm_bf16_vectorized);
   m.def("pack_gemm_weight(Tensor w) -> Tensor", &pagedllm::pack_gemm_weight);
   m.def("gemm_packed(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor",
         &pagedllm::gemm_packed);
