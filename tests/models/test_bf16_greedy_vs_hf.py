@@ -1,9 +1,9 @@
 """bfloat16 greedy decoding against HF transformers run in bfloat16 on the same (trained, shipped)
 weights. Not token-exact: both round at every op, in different orders (on CPU pagedllm's linears
-run on oneDNN where the CPU has bf16, its elementwise ops fused), so where two logits are within a
-bf16 rounding of each other the argmax may flip and the sequences part. Measured with these
-prompts, 32 tokens each: 5 of 8 sequences identical, mean common prefix 29.4 of 32 (prefixes 14,
-32, 31, 32, 30, 32, 32, 32). On 16 longer prompts of 48 tokens: 13 of 16 identical with HF bf16,
+run on its own bf16 GEMM where the CPU has AVX512-BF16, else on oneDNN, its elementwise ops
+fused), so where two logits are within a bf16 rounding of each other the argmax may flip and the
+sequences part. Measured with these prompts, 32 tokens each: 5 of 8 sequences identical, mean
+common prefix 29.4 of 32 (prefixes 14, 32, 31, 32, 30, 32, 32, 32), on the GEMM and on oneDNN. On 16 longer prompts of 48 tokens: 13 of 16 identical with HF bf16,
 while HF bf16 against HF fp32 had 8 of 16. The bound below is loose on purpose; a broken bf16
 path (wrong rounding, a misplaced cast, a kernel reading the wrong rows) parts within a few
 tokens."""

@@ -35,7 +35,7 @@ constexpr int64_t PARALLEL_MIN_MACS = 1 << 20;  // gemm_panels' min_macs
 #if defined(__AVX512F__)
 template <int R>
 inline void tile(const float* x, int64_t ldx, const float* w, int64_t k_n, const float* bias,
-                 float* y, int64_t ldy, int64_t n_valid) {
+                 float* y, int64_t ldy, int64_t n_valid, const float*) {
   __m512 a0[R], a1[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
@@ -64,7 +64,7 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t k_n, const
 #else
 template <int R>
 inline void tile(const float* x, int64_t ldx, const float* w, int64_t k_n, const float* bias,
-                 float* y, int64_t ldy, int64_t n_valid) {
+                 float* y, int64_t ldy, int64_t n_valid, const float*) {
   float acc[R][PANEL] = {};
   for (int64_t k = 0; k < k_n; ++k)
     for (int r = 0; r < R; ++r) {

@@ -15,10 +15,11 @@ constexpr int GEMM_MR = 8;          // rows per register tile
 constexpr int64_t GEMM_M_CHUNK = 64;  // rows of x walked over a thread's panels at a time
 
 // One register tile: rows x[0:R] (row stride ldx) times a panel of k_n values per column ->
-// y[0:R, 0:n_valid] (row stride ldy), plus bias[0:n_valid] where bias is not null.
+// y[0:R, 0:n_valid] (row stride ldy), plus bias[0:n_valid] where bias is not null. ``ahead``:
+// the panel to fetch into the cache while this one is computed (the tile may ignore it).
 template <typename T>
 using GemmTile = void (*)(const T* x, int64_t ldx, const T* panel, int64_t k_n, const T* bias,
-                          T* y, int64_t ldy, int64_t n_valid);
+                          T* y, int64_t ldy, int64_t n_valid, const T* ahead);
 
 // The loop both GEMMs share: y[m, n] from x[m, k] (row stride ldx) and panels of panel_size
 // elements. Panels are split over the threads (each thread's panels stay in its L1/L2 while it
@@ -34,10 +35,14 @@ void gemm_panels(const T* x, int64_t ldx, const T* w, int64_t panel_size, const 
     for (int64_t r0 = 0; r0 < m; r0 += GEMM_M_CHUNK)  // these rows of x stay in L2
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t col = p * GEMM_PANEL, n_valid = std::min(GEMM_PANEL, n - col);
+        // the first tile over a panel fetches this thread's next one (a small M is otherwise
+        // as long waiting for the weight as computing on it); the others re-fetch their own
+        const T* panel = w + p * panel_size;
+        const T* next = p + 1 < p1 ? panel + panel_size : panel;
         for (int64_t r = r0; r < std::min(m, r0 + GEMM_M_CHUNK); r += GEMM_MR) {
           const int64_t rows = std::min<int64_t>(GEMM_MR, m - r);
-          tiles[rows](x + r * ldx, ldx, w + p * panel_size, k, bias ? bias + col : nullptr,
-                      y + r * n + col, n, n_valid);
+          tiles[rows](x + r * ldx, ldx, panel, k, bias ? bias + col : nullptr, y + r * n + col, n,
+                      n_valid, r == r0 ? next : panel);
         }
       }
   });
