@@ -214,3 +214,29 @@ def test_engine_bf16_on_the_gemm_agrees_with_onednn(tiny_models: dict[str, Any])
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for t, la, lb in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert abs(la[t].logprob - lb[t].logprob) < 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tied_lm_head_on_the_gemm_keeps_the_embedding_weight(dtype: torch.dtype) -> None:
+    """A tied LM head packed for pagedllm's GEMM (widths a multiple of 32) is a copy: the
+    embedding still reads the plain weight, and the head computes h @ E^T."""
+    if dtype not in gemm_dtypes():
+        pytest.skip(f"pagedllm's GEMM does not run {dtype} on this CPU")
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(320, 64)
+            self.lm_head = Linear(64, 320, bias=False)
+            self.lm_head.weight = self.embed.weight
+
+    model = _init(Tied(), 0).to(dtype)
+    emb = model.embed.weight.detach().clone()
+    assert pack_linears(model) == 1 and model.lm_head.kind == "gemm"
+    assert model.lm_head.weight is model.embed.weight and torch.equal(model.embed.weight, emb)
+    ids = torch.tensor([3, 319, 0])
+    with torch.inference_mode():
+        h = model.embed(ids)
+        torch.testing.assert_close(h, emb[ids])
+        want = (h.float() @ emb.float().T).to(dtype)
+        torch.testing.assert_close(model.lm_head(h), want, **TOL[dtype])
