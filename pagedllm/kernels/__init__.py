@@ -40,6 +40,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "decoder_layer.cpp": (),
     "gemm.cpp": (),
     "gemm_bf16.cpp": (),
+    "argmax.cpp": (),
 }
 _CSRC = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-fPIC", "-fno-math-errno",

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm import kernels
+
 
 @dataclass
 class SamplingMetadata:
@@ -101,8 +103,30 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
     return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` of [B, V] logits in any float dtype, int64 [B]: the first index of
+    each row's maximum (the first NaN where a row holds one). On CPU with the kernels built, one
+    C++ op (kernels/csrc/argmax.cpp): vectorised, rows over threads, reading bf16 / fp16 logits
+    as they are (torch's argmax runs one thread, and on bf16 ~6x slower than on fp32)."""
+    if (logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0
+            and logits.stride(-1) == 1 and kernels.available()):
+        return torch.ops.pagedllm.argmax_rows(logits)
+    return logits.argmax(-1)
+
+
+def plain_greedy(md: SamplingMetadata) -> bool:
+    """Every row greedy, no logprobs, nothing that edits logits (penalties, logit_bias,
+    min_tokens bans, token masks): the sampled tokens are the argmax of the raw logits, in
+    whatever dtype the LM head produced them (widening to fp32 is exact and keeps the order)."""
+    return (md.all_greedy and md.max_num_logprobs is None and md.output_counts is None
+            and md.bias is None and md.banned is None and md.token_mask is None)
+
+
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-    """logits [B, V] -> SamplerOutput. Does not modify ``logits``."""
+    """logits [B, V] -> SamplerOutput. Does not modify ``logits``. Logits may come in the model's
+    dtype where ``plain_greedy(md)``; otherwise they are fp32 (or converted here)."""
+    if plain_greedy(md):
+        return SamplerOutput(token_ids=argmax(logits))
     logits = logits.float()
     raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
     logits = apply_penalties(logits, md)
@@ -112,7 +136,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.index_put(md.banned, torch.full((), float("-inf"), device=logits.device))
     if md.token_mask is not None:
         logits = apply_token_mask(logits, *md.token_mask)
-    greedy_ids = logits.argmax(-1)
+    greedy_ids = argmax(logits)
     if md.all_greedy:
         ids = greedy_ids
     else:

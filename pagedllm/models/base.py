@@ -14,7 +14,9 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks,
 
 class CausalLM(nn.Module):
     """``forward`` runs a flat step batch and returns final hidden states [T, hidden];
-    ``compute_logits`` turns the rows the runner picks into fp32 logits [N, vocab]."""
+    ``compute_logits`` turns the rows the runner picks into fp32 logits [N, vocab] (or, with
+    ``fp32=False``, logits in the LM head's own dtype, for a greedy argmax that needs no
+    converted copy)."""
 
     # checkpoint projection name -> (fused module name, shard index); read by the loader
     FUSED_WEIGHTS: dict[str, tuple[str, int]] = {}
@@ -29,7 +31,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor: ...
 
     @abstractmethod
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor: ...
 
     @abstractmethod
     def tie_weights(self) -> None:

@@ -204,6 +204,7 @@ class LlamaForCausalLM(CausalLM):
         """-> final hidden states [T, hidden] (normed); pick rows, then ``compute_logits``."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] fp32."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] fp32 (``fp32=False``: in the model's dtype)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if fp32 else logits

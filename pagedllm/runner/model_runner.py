@@ -23,7 +23,7 @@ from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import TPGroup, local_kv_model
 from pagedllm.layers.linear import Linear, pack_linears
-from pagedllm.layers.sampler import SamplingMetadata, logprob_stats, sample
+from pagedllm.layers.sampler import SamplingMetadata, logprob_stats, plain_greedy, sample
 from pagedllm.logging_utils import init_logger
 from pagedllm.models.loader import load_model
 from pagedllm.runner.batch import HostBatch, Uploader, build_host_batch, fetch
@@ -279,12 +279,13 @@ class ModelRunner:
                     [r for i in sampling
                      for r in range(q_start[i + 1] - 1 - len(sched[i].spec_token_ids),
                                     q_start[i + 1])], torch.long)]
-            logits = self.model.compute_logits(last)  # [rows, V]
             spec = verify.SeededRewind(sub, self.generators)
             # a grammar's row never verifies
             md, masks = sampling_metadata(sub, self.uploader, self.generators, self.penalty_counts)
             if masks or out.token_masks is not None:
                 self.constraints.add(md, owner, sub, out.token_masks)
+            # [rows, V]: fp32, or as the LM head made them where the argmax is all that is read
+            logits = self.model.compute_logits(last, fp32=not plain_greedy(md))
             so = sample(logits, md)
             fetched = fetch([so.token_ids, so.logprobs, so.ranks, so.topk_ids, so.topk_logprobs])
             ids, lps, ranks, tk_ids, tk_lps = (None if t is None else t.tolist() for t in fetched)

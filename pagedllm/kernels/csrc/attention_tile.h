@@ -33,16 +33,6 @@ using ValuesFn = void (*)(float* acc, int64_t g, int64_t d, const float* p,
                           const void* const* rows, int64_t n);
 
 template <typename T>
-inline float widen(const T* x, int64_t i) {
-  if constexpr (std::is_same_v<T, float>)
-    return x[i];
-  else if constexpr (std::is_same_v<T, c10::BFloat16>)
-    return bf16_to_float(reinterpret_cast<const uint16_t*>(x)[i]);
-  else
-    return c10::detail::fp16_ieee_to_fp32_value(reinterpret_cast<const uint16_t*>(x)[i]);
-}
-
-template <typename T>
 inline float dot_t(const float* __restrict a, const T* __restrict b, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     return dot(a, b, n);

@@ -42,6 +42,17 @@ inline float bf16_to_float(uint16_t b) {
   return f;
 }
 
+// Element i of x (fp32, bf16 or fp16) as fp32, exactly.
+template <typename T>
+inline float widen(const T* x, int64_t i) {
+  if constexpr (std::is_same_v<T, float>)
+    return x[i];
+  else if constexpr (std::is_same_v<T, c10::BFloat16>)
+    return bf16_to_float(reinterpret_cast<const uint16_t*>(x)[i]);
+  else
+    return c10::detail::fp16_ieee_to_fp32_value(reinterpret_cast<const uint16_t*>(x)[i]);
+}
+
 // fp8 bit patterns -> fp32, exact (a table per format, built once from c10's conversions).
 inline const float* fp8_table(Kind k) {
   static const auto tables = [] {
