@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pagedllm import _openmp  # noqa: F401 - before anything imports torch (see that module)
+from pagedllm import _hugepages, _openmp  # noqa: F401 - before torch loads (see those modules)
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "__version__"]

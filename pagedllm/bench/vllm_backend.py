@@ -11,8 +11,9 @@ Threads and KV memory on CPU are vLLM environment variables, set here unless the
 environment already has them: ``VLLM_CPU_OMP_THREADS_BIND`` to as many cores as pagedllm's
 torch uses (``--threads``, else torch's default), ``VLLM_CPU_KVCACHE_SPACE`` to
 ``--kv-cache-memory`` in whole GiB, rounded up (vLLM takes no fraction; 4 when not given: vLLM's own default, a fraction of all memory,
-refuses to start on a machine other processes use). The OpenMP wait policy pagedllm picks for
-itself (pagedllm/_openmp.py) is not passed on: vLLM sees the user's environment. vLLM's log goes
+refuses to start on a machine other processes use). The OpenMP wait policy and the huge pages
+pagedllm picks for itself (pagedllm/_openmp.py, _hugepages.py) are not passed on: vLLM sees
+the user's environment. vLLM's log goes
 to a file named in the result.
 
 The worker runs in a session of its own, and vLLM's engine processes (its children) in its
@@ -43,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from pagedllm import _openmp
+from pagedllm import _hugepages, _openmp
 from pagedllm.bench.baselines import RunResult
 from pagedllm.bench.workload import BenchRequest
 
@@ -101,6 +102,8 @@ class VllmBackend:
         env = dict(os.environ)
         if _openmp.SET_BY_PAGEDLLM:  # vLLM runs at the user's OpenMP settings, not pagedllm's
             env.pop(_openmp.SET_BY_PAGEDLLM)
+        if _hugepages.SET_BY_PAGEDLLM:  # and at the user's huge-page setting
+            env.pop(_hugepages.VAR, None)
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(torch.get_num_threads()))
         kv = cfg.cache.kv_cache_memory
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(4 if kv is None else -(-kv // 2**30)))

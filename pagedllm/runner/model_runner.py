@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm import _openmp, kernels
+from pagedllm import _hugepages, _openmp, kernels
 from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import TPGroup, local_kv_model
@@ -105,6 +105,7 @@ class ModelRunner:
                 logger.info("linear layers per kind: %s", {k: kinds.count(k) for k in set(kinds)})
             if (hint := _openmp.advice(torch.get_num_threads())) is not None:
                 logger.info(hint)
+            logger.info(_hugepages.CHOICE)
         cache = config.cache
         if cache.kv_quantized and not self.backend.supports_quantized_kv:
             raise ValueError(
