@@ -56,7 +56,8 @@ def _init(model: str, llm_kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
         "llm_kwargs": llm_kwargs,
-        "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_") or k == "OMP_NUM_THREADS"},
+        "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")
+                or k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "THP_MEM_ALLOC_ENABLE")},
     }
     return llm, info
 

@@ -97,6 +97,11 @@ def test_stand_in_runs_the_workload_with_the_engine_settings(stand_in: str,
                                  "max_num_seqs": 4}
     assert row["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"  # whole GiB, rounded up
     assert row["env"]["VLLM_CPU_OMP_THREADS_BIND"] == cpu_bind(__import__("torch").get_num_threads())
+    # what pagedllm chose for itself (OpenMP wait policy, huge pages) stays out of vLLM's run
+    from pagedllm import _hugepages, _openmp
+    for chosen in (_openmp.SET_BY_PAGEDLLM, _hugepages.VAR if _hugepages.SET_BY_PAGEDLLM else None):
+        if chosen:
+            assert chosen not in row["env"]
     assert "stand-in vllm log line" in Path(row["log"]).read_text()
     assert "pagedllm/vllm" in res["ratios"]
     assert 0.0 <= res["greedy_output_agreement"]["pagedllm/vllm"] <= 1.0
