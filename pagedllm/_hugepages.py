@@ -7,7 +7,9 @@ each) and reads each running request's K/V blocks, which lie anywhere in a pool 
 (``THP_MEM_ALLOC_ENABLE=1``: allocations of 2 MiB and more are 2 MiB aligned and
 ``madvise(MADV_HUGEPAGE)``), which covers the weights, the KV pool and the large activations.
 Measured (README "CPU fast path"): the 125M model's linear layers of one decode step at 15 rows,
-one thread, 21.2 vs 24.2 ms in float32, 13.4 vs 14.3 ms in bfloat16.
+one thread, 21.2 vs 24.2 ms in float32, 13.4 vs 14.3 ms in bfloat16 before the GEMMs prefetched
+their next panel; with that prefetch 17.8 vs 18.2-18.9 ms and 8.6 vs 8.7-9.7 ms, and the whole
+workload within noise.
 
 ``PAGEDLLM_THP=auto`` (the default) sets ``THP_MEM_ALLOC_ENABLE=1`` where the kernel gives huge
 pages on request (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always``);
