@@ -46,6 +46,7 @@ from typing import IO, Any
 
 from pagedllm import _hugepages, _openmp
 from pagedllm.bench.baselines import RunResult
+from pagedllm.bench.vllm_worker import proc_stats
 from pagedllm.bench.workload import BenchRequest
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -161,23 +162,8 @@ class VllmBackend:
 def group_cpu_ticks(pgid: int) -> int | None:
     """Clock ticks (user + system, all threads) of the live processes of process group ``pgid``;
     None when it has none or there is no /proc."""
-    total, found = 0, False
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return None
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # exited meanwhile
-            continue
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-            found = True
-    return total if found else None
+    ticks = [t for _, group, t in proc_stats().values() if group == pgid]
+    return sum(ticks) if ticks else None
 
 
 def wait_until_idle(pgid: int, window_s: float = IDLE_WINDOW_S,

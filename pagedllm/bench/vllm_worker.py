@@ -93,29 +93,38 @@ def _machine_busy_s() -> float | None:
         return None
 
 
-def _tree_cpu_s() -> float | None:
-    """CPU seconds (user + system, all threads) of this process and its live descendants (vLLM's
-    engine core runs in a child), read from /proc; None where there is no /proc."""
+def proc_stats() -> dict[int, tuple[int, int, int]]:
+    """pid -> (parent, process group, CPU clock ticks: user + system, all threads) of every live
+    process, from /proc; empty where there is no /proc (the backend reads it too)."""
+    stats: dict[int, tuple[int, int, int]] = {}
     try:
-        stats: dict[int, tuple[int, int]] = {}  # pid -> (parent, clock ticks)
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:  # exited meanwhile
-                continue
-            stats[int(name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-        tree, grew = {os.getpid()}, True
-        while grew:
-            new = {p for p, (parent, _) in stats.items() if parent in tree} - tree
-            tree |= new
-            grew = bool(new)
-        ticks = sum(stats[p][1] for p in tree if p in stats)
-        return ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+        names = os.listdir("/proc")
+    except OSError:
+        return stats
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            stats[int(name)] = (int(fields[1]), int(fields[2]), int(fields[11]) + int(fields[12]))
+        except (OSError, ValueError, IndexError):  # exited meanwhile
+            continue
+    return stats
+
+
+def _tree_cpu_s() -> float | None:
+    """CPU seconds of this process and its live descendants (vLLM's engine core runs in a
+    child); None where there is no /proc."""
+    stats = proc_stats()
+    if not stats:
         return None
+    tree, grew = {os.getpid()}, True
+    while grew:
+        new = {p for p, (parent, _, _) in stats.items() if parent in tree} - tree
+        tree |= new
+        grew = bool(new)
+    return sum(stats[p][2] for p in tree if p in stats) / os.sysconf("SC_CLK_TCK")
 
 
 def _die_with_parent() -> None:
