@@ -32,7 +32,6 @@ namespace pagedllm {
 namespace {
 
 constexpr int64_t PANEL = GEMM_PANEL;
-constexpr int64_t PARALLEL_MIN_MACS = 1 << 20;  // gemm_panels' min_macs
 
 #if defined(__AVX512F__)
 template <int R>
@@ -131,7 +130,7 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor y = at::empty({m, n}, x.options());
   gemm_panels(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), k * PANEL, b,
-              y.data_ptr<float>(), m, n, k, TILES, PARALLEL_MIN_MACS);
+              y.data_ptr<float>(), m, n, k, TILES, GEMM_PARALLEL_MIN_MACS);
   return y;
 }
 

@@ -11,6 +11,8 @@
 namespace pagedllm {
 
 constexpr int64_t GEMM_PANEL = 32;  // output columns per packed panel
+// under this many multiply-adds a call stays on the calling thread (gemm_panels' min_macs)
+constexpr int64_t GEMM_PARALLEL_MIN_MACS = 1 << 20;
 constexpr int GEMM_MR = 8;          // rows per register tile
 constexpr int64_t GEMM_M_CHUNK = 64;  // rows of x walked over a thread's panels at a time
 

@@ -37,7 +37,6 @@ namespace pagedllm {
 namespace {
 
 constexpr int64_t PANEL = GEMM_PANEL;
-constexpr int64_t PARALLEL_MIN_MACS = 1 << 20;  // gemm_panels' min_macs
 
 #if defined(__AVX512BF16__)
 inline __m512bh pair(const uint16_t* p) {  // (p[0], p[1]) in every 32-bit lane
@@ -154,7 +153,7 @@ at::Tensor gemm_packed_bf16(const at::Tensor& x, const at::Tensor& packed, int64
 #if defined(__AVX512BF16__)
   gemm_panels(static_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
               static_cast<const uint16_t*>(packed.data_ptr()), packed.size(1) * 2 * PANEL, b,
-              static_cast<uint16_t*>(y.data_ptr()), m, n, k, TILES.data(), PARALLEL_MIN_MACS);
+              static_cast<uint16_t*>(y.data_ptr()), m, n, k, TILES.data(), GEMM_PARALLEL_MIN_MACS);
 #endif
   return y;
 }
