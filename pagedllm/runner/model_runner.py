@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm import _hugepages, _openmp, kernels
+from pagedllm import _hugepages, _malloc, _openmp, kernels
 from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import TPGroup, local_kv_model
@@ -142,6 +142,8 @@ class ModelRunner:
         cache = self.config.cache
         host = cache.num_host_blocks(self.config.model)
         self.kv_cache = self.new_kv_cache(num_blocks, host)
+        if self.device.type == "cpu":  # after the weights and the pool: steps reuse their memory
+            logger.info(_malloc.keep_freed_memory())
         if self.device.type == "cuda" and not self.use_cuda_graphs and not self.config.enforce_eager:
             logger.info("CUDA graphs off: attention backend %r does not support them%s",
                         self.backend.name, " (tensor parallel)" if self.tp is not None else "")

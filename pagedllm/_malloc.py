@@ -1,0 +1,82 @@
+"""glibc's malloc keeps the memory a CPU engine's steps free, instead of giving it back to Linux.
+
+torch's CPU allocator has no cache: every activation of every step is a ``malloc`` and a ``free``.
+glibc serves a request above its mmap threshold (128 KiB, raised as big blocks are freed, to at
+most 32 MiB) with fresh pages from ``mmap`` and unmaps them on ``free``, and gives the top of its
+heap back once more than twice that threshold is free there. A step's large activations (the
+125M model's prefill steps: a 2048 x 4096 float32 ``gate_up`` output is 32 MiB, in every layer)
+therefore come back from the kernel as new pages, zeroed, one page fault per 4 KiB: about
+50,000 faults per run of the 64-request workload of ``bench throughput``. On a VM whose kernel
+reports free memory to the host (free page reporting, as on the machine the README measures),
+each freed 2 MiB block also goes back to the host, and touching it again faults there too.
+
+``keep_freed_memory`` raises the mmap threshold to ``MMAP_THRESHOLD`` and the trim threshold to
+``TRIM_THRESHOLD`` (``mallopt``), so a step's blocks are reused from the heap by the next step:
+0-200 faults per run. The price is that the process keeps, after a step, up to
+``TRIM_THRESHOLD`` of free heap (in practice the largest step's activations, which the next
+step reuses); allocations above ``MMAP_THRESHOLD`` still map and unmap. The model runner calls
+it on CPU after it allocated the KV pool (so the weights and the pool are placed as before).
+It is process-wide and stays for the process's life.
+
+``PAGEDLLM_MALLOC=auto`` (the default) applies it under glibc; ``PAGEDLLM_MALLOC=0`` leaves
+malloc alone, as do a user's own glibc settings (``MALLOC_*_`` variables, ``GLIBC_TUNABLES``)
+and a preloaded allocator (``LD_PRELOAD``: tcmalloc, jemalloc, ...). The vLLM benchmark backend
+runs in its own process and is not affected.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Mapping
+
+MMAP_THRESHOLD = 256 << 20
+TRIM_THRESHOLD = 1 << 30
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
+USER_VARS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+             "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES", "LD_PRELOAD")
+
+_applied: str | None = None  # the log line, once applied or declined
+
+
+def glibc() -> ctypes.CDLL | None:
+    """The running C library when it is glibc (it has ``gnu_get_libc_version`` and
+    ``mallopt``); None elsewhere (musl, macOS, Windows)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - raises AttributeError where not glibc
+        libc.mallopt  # noqa: B018
+    except (OSError, AttributeError, TypeError):
+        return None
+    return libc
+
+
+def choose(setting: str, env: Mapping[str, str], has_glibc: bool) -> tuple[bool, str]:
+    """(apply the settings?, why) for PAGEDLLM_MALLOC=``setting`` in environment ``env``."""
+    if setting in ("0", "off", "false"):
+        return False, "PAGEDLLM_MALLOC=0"
+    if setting not in ("auto", "1", "on", "true"):
+        raise ValueError(f"PAGEDLLM_MALLOC={setting!r}: use auto or 0")
+    user = [v for v in USER_VARS if env.get(v)]
+    if user:
+        return False, f"{user[0]} set by the user"
+    if not has_glibc:
+        return False, "not glibc"
+    return True, (f"mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold "
+                  f"{TRIM_THRESHOLD >> 20} MiB")
+
+
+def keep_freed_memory(env: Mapping[str, str] | None = None) -> str:
+    """Apply the settings once per process (where ``choose`` says so); the line for the log."""
+    global _applied
+    if _applied is None:
+        env = os.environ if env is None else env
+        libc = glibc()
+        on, why = choose(env.get("PAGEDLLM_MALLOC", "auto").strip().lower(), env, libc is not None)
+        if on and libc is not None:
+            ok = (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+                  and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1)
+            on, why = ok, why if ok else "glibc refused mallopt"
+        _applied = (f"malloc keeps freed memory for the next step: {'on' if on else 'off'} "
+                    f"({why}; PAGEDLLM_MALLOC=0 turns it off)")
+    return _applied
