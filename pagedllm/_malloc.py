@@ -78,5 +78,5 @@ def keep_freed_memory(env: Mapping[str, str] | None = None) -> str:
                   and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1)
             on, why = ok, why if ok else "glibc refused mallopt"
         _applied = (f"malloc keeps freed memory for the next step: {'on' if on else 'off'} "
-                    f"({why}; PAGEDLLM_MALLOC=0 turns it off)")
+                    f"({why}{'; PAGEDLLM_MALLOC=0 turns it off' if on else ''})")
     return _applied

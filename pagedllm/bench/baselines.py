@@ -13,6 +13,7 @@ on that same device at the dtype the engine resolves (``ModelConfig.from_hf(mode
 from __future__ import annotations
 
 import os
+import resource
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -90,7 +91,7 @@ class EngineBackend:
         ids = [f"b{i}" for i in range(len(reqs))]
         outputs: dict[str, list[int]] = {}
         synchronize(self.device)
-        m0 = cpu_times()
+        m0, f0 = cpu_times(), minor_faults()
         t0, c0 = time.perf_counter(), time.process_time()
         for rid, r in zip(ids, reqs):
             params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True,
@@ -115,6 +116,7 @@ class EngineBackend:
         stats["num_preemptions"] = eng.num_preemptions - preempted_before
         stats["num_steps"] = len(trace.t)  # this run's step records (`pagedllm plan` replays these)
         stats["cpu_s"] = cpu  # all of this process's threads (on a shared machine, steadier)
+        stats["minor_faults"] = minor_faults() - f0  # fresh pages touched (pagedllm/_malloc.py)
         if m0 is not None and m1 is not None:  # every process's, to see what else ran meanwhile
             stats["machine_cpu_s"] = (m1[0] - m0[0]) / os.sysconf("SC_CLK_TCK")
         if eng.spec is not None:
@@ -123,6 +125,11 @@ class EngineBackend:
             stats["grammar_mask_s"], stats["grammar_wait_s"] = mask_s, wait_s
         return RunResult(self.name, elapsed, len(reqs), sum(r.prompt_len for r in reqs), n_out,
                          n_out, outs, stats)
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far (``getrusage``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 class HFBackend:

@@ -178,6 +178,7 @@ def test_bench_throughput_cli(model: Path, tmp_path: Path) -> None:
     by = {r["backend"]: r for r in res["results"]}
     for name in ("pagedllm", "contiguous"):  # CPU time of the engine's process, all threads
         assert by[name]["cpu_s"] > 0 and by[name]["output_tokens_per_cpu_s"] > 0
+        assert isinstance(by[name]["minor_faults"], int) and by[name]["minor_faults"] >= 0
     assert res["ratios"]["pagedllm/contiguous"]["output_tokens_per_cpu_s"] > 0
     assert res["greedy_output_agreement"]["pagedllm/contiguous"] == 1.0
     assert main(["bench", "throughput", "--backends", "nope", "--model", str(model)]) == 2
