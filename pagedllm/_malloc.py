@@ -16,7 +16,9 @@ each freed 2 MiB block also goes back to the host, and touching it again faults 
 ``TRIM_THRESHOLD`` of free heap (in practice the largest step's activations, which the next
 step reuses); allocations above ``MMAP_THRESHOLD`` still map and unmap. The model runner calls
 it on CPU after it allocated the KV pool (so the weights and the pool are placed as before).
-It is process-wide and stays for the process's life.
+It is process-wide and stays for the process's life. A thread other than the main one (the
+server's engine thread) allocates from its own glibc arena, whose heaps are at most 64 MiB:
+there blocks up to ~32 MiB are reused, larger ones are still mapped afresh each time.
 
 ``PAGEDLLM_MALLOC=auto`` (the default) applies it under glibc; ``PAGEDLLM_MALLOC=0`` leaves
 malloc alone, as do a user's own glibc settings (``MALLOC_*_`` variables, ``GLIBC_TUNABLES``)
