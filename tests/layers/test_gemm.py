@@ -1,6 +1,6 @@
 """pagedllm's float32 and bfloat16 GEMMs on packed weights (``torch.ops.pagedllm.gemm_packed``,
 kernels/csrc/gemm.cpp, gemm_bf16.cpp) against a float64 matmul of the same inputs: every
-register-tile height (1-8 rows and the 64-row chunks), output widths that end inside a 32-column
+register-tile height (1-8 rows, rows cut into tiles of equal height, the 64-row chunks), output widths that end inside a 32-column
 panel, odd K (bf16 packs k in pairs), strided rows, bias, the threaded split; bf16's rounding to
 nearest even; and the checks."""
 
@@ -21,8 +21,8 @@ def _kernels() -> None:
     assert kernels.available(), f"CPU kernels did not build: {kernels.unavailable_reason()}"
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 32, 16), (3, 40, 7), (8, 64, 48), (13, 96, 33),
-                                   (67, 100, 64), (130, 512, 256), (37, 1280, 256)])
+@pytest.mark.parametrize("m,n,k", [(1, 32, 16), (3, 40, 7), (8, 64, 48), (9, 64, 24), (13, 96, 33),
+                                   (17, 72, 40), (67, 100, 64), (130, 512, 256), (37, 1280, 256)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_equals_a_float64_matmul(m: int, n: int, k: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(m * n + k)
@@ -37,6 +37,23 @@ def test_equals_a_float64_matmul(m: int, n: int, k: int, bias: bool) -> None:
     # one fp32 sum of k products per output: within k ulps of the magnitudes summed
     bound = k * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().T + 1)
     assert ((y.double() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_get_the_same_bits_in_any_tile(dtype: torch.dtype) -> None:
+    # M rows are cut into tiles of equal height (17: 6 + 6 + 5; 70: a 64-row chunk and 3 + 3),
+    # over both threads; each output is still one fp32 sum in k order, so every row equals the
+    # row computed alone
+    if dtype == torch.bfloat16 and not torch.ops.pagedllm.gemm_bf16_vectorized():
+        pytest.skip("this CPU has no AVX512-BF16")
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(640, 96, generator=g).to(dtype), torch.randn(640, generator=g).to(dtype)
+    packed = torch.ops.pagedllm.pack_gemm_weight(w)
+    for m in (9, 17, 33, 70):
+        x = torch.randn(m, 96, generator=g).to(dtype)
+        y = torch.ops.pagedllm.gemm_packed(x, packed, 640, b)
+        alone = torch.cat([torch.ops.pagedllm.gemm_packed(x[i:i + 1], packed, 640, b) for i in range(m)])
+        assert torch.equal(y, alone), m
 
 
 def test_checks_name_the_argument() -> None:
@@ -67,7 +84,7 @@ def _bf16_case(m: int, n: int, k: int, bias: bool) -> tuple[torch.Tensor, ...]:
 
 @needs_bf16
 @pytest.mark.parametrize("m,n,k", [(1, 32, 16), (1, 40, 1), (3, 40, 7), (8, 64, 48), (13, 96, 33),
-                                   (67, 100, 64), (130, 512, 255), (37, 1280, 256),
+                                   (17, 72, 40), (67, 100, 64), (130, 512, 255), (37, 1280, 256),
                                    (2100, 64, 40)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_equals_a_float64_matmul(m: int, n: int, k: int, bias: bool) -> None:

@@ -13,9 +13,10 @@
 // (x[r, 2 kk], x[r, 2 kk + 1]) as one 32-bit lane, 2 * MR `vdpbf16ps`. An odd K's last k
 // broadcasts x's last value beside a zero (the row may end there, and past it could be a NaN,
 // which times the packed zero is still NaN). Panels are split over threads as in gemm.cpp.
-// The first tile over a panel prefetches the thread's next panel, two cache lines per k pair:
-// at the rows of a decode step the weight comes from memory, and without it each panel's
-// load and its compute took turns (125M shapes, M = 4-64: 1.05-1.25x faster with it).
+// While a panel is computed its tiles prefetch the thread's next one, two cache lines per k pair
+// in all (gemm_panels in gemm.h): at the rows of a decode step the weight comes from memory,
+// and without it each panel's load and its compute took turns (125M shapes, M = 4-64:
+// 1.05-1.25x faster with the first tile alone fetching it).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -57,7 +58,7 @@ inline void narrow(__mmask16 m, uint16_t* p, __m512 v) {  // round to nearest ev
 template <int R>
 inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_n,
                  const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n_valid,
-                 const uint16_t* ahead) {
+                 GemmAhead ahead) {
   __m512 a0[R], a1[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
@@ -65,8 +66,7 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k_n,
   for (int64_t kk = 0; kk < pairs; ++kk) {
     const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + kk * 2 * PANEL));
     const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + kk * 2 * PANEL + 32));
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + kk * 2 * PANEL), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + kk * 2 * PANEL + 32), _MM_HINT_T0);
+    gemm_prefetch(ahead, kk);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512bh xb = pair(x + r * ldx + 2 * kk);
