@@ -15,14 +15,16 @@ workload within noise.
 pages on request (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always``);
 ``PAGEDLLM_THP=0`` leaves torch's default. A user's own ``THP_MEM_ALLOC_ENABLE`` is left alone.
 torch reads the variable at its first allocation of 2 MiB or more, so a program that made one
-before importing pagedllm keeps 4 KiB pages. ``SET_BY_PAGEDLLM`` says whether pagedllm set it
-(the vLLM benchmark backend removes it: vLLM runs at the user's environment); ``CHOICE`` is the
-line for the log.
+before importing pagedllm keeps 4 KiB pages. ``SET_BY_PAGEDLLM`` names the variable where
+pagedllm set it, else None (the vLLM benchmark backend removes it: vLLM runs at the user's
+environment); ``CHOICE`` is the line for the log.
 """
 
 from __future__ import annotations
 
 import os
+
+from pagedllm._env import auto_or_off
 
 VAR = "THP_MEM_ALLOC_ENABLE"
 SYSFS = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -44,17 +46,16 @@ def choose(setting: str, mode: str | None, user_value: str | None) -> tuple[bool
     """(set THP_MEM_ALLOC_ENABLE=1?, why) for PAGEDLLM_THP=``setting``, kernel mode ``mode``."""
     if user_value is not None:
         return False, f"{VAR}={user_value} set by the user"
-    if setting in ("0", "off", "false"):
+    if not auto_or_off("PAGEDLLM_THP", setting):
         return False, "PAGEDLLM_THP=0"
-    if setting not in ("auto", "1", "on", "true"):
-        raise ValueError(f"PAGEDLLM_THP={setting!r}: use auto or 0")
     if mode not in ("madvise", "always"):
         return False, f"the kernel gives no huge pages (transparent_hugepage: {mode or 'unknown'})"
     return True, f"transparent_hugepage: {mode}"
 
 
-SET_BY_PAGEDLLM, _why = choose(os.environ.get("PAGEDLLM_THP", "auto").strip().lower(),
-                               thp_mode(), os.environ.get(VAR))
+_on, _why = choose(os.environ.get("PAGEDLLM_THP", "auto").strip().lower(), thp_mode(),
+                   os.environ.get(VAR))
+SET_BY_PAGEDLLM: str | None = VAR if _on else None  # as _openmp.SET_BY_PAGEDLLM: the name
 if SET_BY_PAGEDLLM:
     os.environ[VAR] = "1"
 CHOICE = (f"huge pages for large CPU tensors: {'on' if SET_BY_PAGEDLLM else 'off'} ({_why}; "

@@ -32,6 +32,8 @@ import ctypes
 import os
 from collections.abc import Mapping
 
+from pagedllm._env import auto_or_off
+
 MMAP_THRESHOLD = 256 << 20
 TRIM_THRESHOLD = 1 << 30
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
@@ -55,10 +57,8 @@ def glibc() -> ctypes.CDLL | None:
 
 def choose(setting: str, env: Mapping[str, str], has_glibc: bool) -> tuple[bool, str]:
     """(apply the settings?, why) for PAGEDLLM_MALLOC=``setting`` in environment ``env``."""
-    if setting in ("0", "off", "false"):
+    if not auto_or_off("PAGEDLLM_MALLOC", setting):
         return False, "PAGEDLLM_MALLOC=0"
-    if setting not in ("auto", "1", "on", "true"):
-        raise ValueError(f"PAGEDLLM_MALLOC={setting!r}: use auto or 0")
     user = [v for v in USER_VARS if env.get(v)]
     if user:
         return False, f"{user[0]} set by the user"

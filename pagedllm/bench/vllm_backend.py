@@ -101,10 +101,9 @@ class VllmBackend:
         kwargs = {"dtype": cfg.model.dtype, "max_model_len": cfg.scheduler.max_model_len,
                   "seed": cfg.seed, **(llm_kwargs or {})}
         env = dict(os.environ)
-        if _openmp.SET_BY_PAGEDLLM:  # vLLM runs at the user's OpenMP settings, not pagedllm's
-            env.pop(_openmp.SET_BY_PAGEDLLM)
-        if _hugepages.SET_BY_PAGEDLLM:  # and at the user's huge-page setting
-            env.pop(_hugepages.VAR, None)
+        for var in (_openmp.SET_BY_PAGEDLLM, _hugepages.SET_BY_PAGEDLLM):
+            if var:  # vLLM runs at the user's OpenMP and huge-page settings, not pagedllm's
+                env.pop(var, None)
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(torch.get_num_threads()))
         kv = cfg.cache.kv_cache_memory
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(4 if kv is None else -(-kv // 2**30)))
