@@ -83,16 +83,15 @@ def register(subparsers: Any) -> None:
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
     from pagedllm.planner.calibrate import calibrate, summarize_fit
+    from pagedllm.planner.profile import fit_quality
 
     if a.reps < 1:
         raise ValueError(f"--reps={a.reps} must be >= 1")
     prof = calibrate(EngineArgs.from_cli(a), a.reps, a.max_seconds, a.threads, a.clock,
                      log=lambda s: print(s, file=sys.stderr))
     print(summarize_fit(prof.model))
-    f = prof.fit
-    print(f"fit over {f['num_samples']} timed cells ({f['num_kept']} kept): median error "
-          f"{f['median_rel_err']:.1%}, p90 {f['p90_rel_err']:.1%}; "
-          f"{prof.made_on['calibration_s']} s")
+    print(fit_quality(prof.fit))
+    print(f"calibration took {prof.made_on['calibration_s']} s")
     print(f"wrote {prof.save(a.output)}")
     return 0
 
@@ -122,7 +121,7 @@ def _replay(a: argparse.Namespace, args: EngineArgs) -> int:
     from pagedllm.bench.report import write_json
     from pagedllm.bench.workload import build_workload, summarize
     from pagedllm.planner.plan import Planner
-    from pagedllm.planner.profile import Profile, describe_config
+    from pagedllm.planner.profile import Profile, describe_setup
     from pagedllm.planner.sweep import SLO, combinations, parse_sweep, recommend
 
     slo = SLO(a.slo_ttft_p99, a.slo_tpot)
@@ -144,7 +143,8 @@ def _replay(a: argparse.Namespace, args: EngineArgs) -> int:
               "P.json [engine flags]`, then --profile P.json (without one every request arrives "
               "at once; scheduling below is exact)")
     else:
-        for m in profile.mismatches(describe_config(cfg)):
+        print(f"profile          {profile.quality()}")
+        for m in profile.mismatches(describe_setup(cfg)):
             print(f"warning          profile made on a different setup ({m}); timings carry "
                   f"that difference", file=sys.stderr)
     planner = Planner(reqs, profile, a.seed)
