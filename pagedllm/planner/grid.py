@@ -94,7 +94,7 @@ class Grid:
     def describe(self) -> str:
         dec = ", ".join(f"B <= {b} at C={c}" for c, b in self.batches.items()) or "none"
         shared = [b for kind, _, sizes in self.groups if kind == "shared" for b, _ in sizes]
-        return (f"prefills up to {self.top} tokens (bounded by {self.bounds['dense_s']}), "
+        return (f"prefills up to {self.top} tokens (bounded by {self.bounds.get('dense_s', 'the settings')}), "
                 f"decode batches {dec}, shared-prefix decode batches "
                 f"{'B <= ' + str(max(shared)) if shared else 'none'}")
 
@@ -141,10 +141,12 @@ def plan_grid(s: Settings) -> Grid:
         if shared:
             groups.append(("shared", shared_c, shared))
     pool = f"the pool: {POOL_FLAGS}, {s.num_blocks} blocks of {s.block_size} tokens"
+    contexts_bound = pool if len(contexts) > 1 else \
+        f"--max-model-len={s.max_len}: one decode context fits below it (two need > 128)"
     bounds = {"dense_s": bound, "per_prefill_pair_s": bound,
-              "per_seq_s": pool if s.max_seqs > 1 else "--max-num-seqs",
-              "per_decode_context_s": pool if len(contexts) > 1 else
-              f"--max-model-len={s.max_len}: one decode context fits below it (two need > 128)",
+              # at one context a decode batch's S and D grow together
+              "per_seq_s": contexts_bound if s.max_seqs > 1 else "--max-num-seqs",
+              "per_decode_context_s": contexts_bound,
               "per_decode_shared_context_s":
               (pool if shared_c >= s.block_size else f"--max-model-len={s.max_len}: a "
                f"shared block and room to decode need {s.block_size + 80}")
@@ -195,7 +197,7 @@ def refusal(unpinned: Sequence[tuple[str, float]], grid: Grid, s: Settings,
         label = f"{base} at {', '.join(k for k, _ in items)} tokens" if base == "dense_s" else base
         why = "no timed step has it" if all(d == 0 for _, d in items) else \
             "the timed steps never vary it apart from the other terms"
-        bound = stopped or grid.bounds[base]
+        bound = stopped or grid.bounds.get(base, "the settings")
         terms.append(f"{label} ({why}; it needs {NEEDS[base]}, bounded by {bound})")
         flag = "--max-seconds" if stopped else next(
             (f for f in (POOL_FLAGS, "--max-num-batched-tokens", "--max-model-len",

@@ -69,3 +69,23 @@ def test_plan_predicts_the_real_run_within_15_percent(model: str, profile: Path,
     assert rows["num_steps"]["predicted"] == rows["num_steps"]["measured"]
     out, err = capsys.readouterr()
     assert "did not see" in out and "warning" not in err  # same setup: nothing to warn about
+
+
+def test_a_cell_that_does_not_fit_is_dropped_not_fitted(model: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grid that over-plans (a 3,000-token prefill in a 1,600-token pool): the cell's step runs
+    what fits, the calibration drops the cell, aborts its leftovers and goes on."""
+    from pagedllm.args import EngineArgs
+    from pagedllm.planner import calibrate as cal
+    from pagedllm.planner.grid import Grid
+
+    grid = Grid([("prefill", 0, [(0, [(4, 0), (3000, 0), (16, 0), (64, 0)])])], 64)
+    monkeypatch.setattr(cal, "plan_grid", lambda s: grid)
+    lines: list[str] = []
+    args = EngineArgs(model=model, num_kv_blocks=100, block_size=16, max_model_len=512)
+    with pytest.raises(cal.CalibrationError, match="per_decode_context_s"):
+        cal.calibrate(args, reps=1, threads=1, clock="cpu", log=lines.append)
+    dropped = [x for x in lines if "did not run as planned" in x]
+    assert len(dropped) == 1 and "prefill C=0 B=0 P=3000: ran " in dropped[0]
+    # the cells after it ran alone (a leftover prompt in their step would drop them too)
+    assert [x.split()[-4] for x in lines if x.startswith("  prefill")] == ["3"]  # samples
