@@ -27,6 +27,12 @@ is a least-squares problem: minimise the *relative* error over timed steps (they
 millisecond to seconds; each should be predicted to a percentage), every coefficient >= 0 (an
 active-set loop pins a negative one to zero and refits). Pure Python; a dozen unknowns are a
 12x12 solve.
+
+Two checks keep a fit honest. ``unpinned_terms``: a term whose column the timed steps never vary
+apart from the others (or never have) could take any value at no cost to the fit, so the
+calibration refuses rather than fit it. ``holdout_errors``: each step predicted by the fit of all
+the others (leave-one-out), the error on steps the fit did not see; a fit with as many free terms
+as steps is exact in-sample and says nothing.
 """
 
 from __future__ import annotations
