@@ -19,16 +19,20 @@ request advances (``free_outside_window``); ``_tables`` then holds the blocks st
 
 The manager holds its parts: the ``BlockPool`` (blocks, free queue, hash index, pool size), a
 ``CopyOnWrite`` (shared partial blocks and pending copies, kv/sharing.py), a ``HostTier``
-(swap plans, kv/host_tier.py) and a ``SlidingWindow`` (kv/window.py). Tracing (kv/trace.py)
-wraps its public calls from outside.
+(swap plans, kv/host_tier.py) and a ``SlidingWindow`` (kv/window.py). It publishes what each
+public mutating call did on ``events`` (kv/events.py), the one way to observe it: the trace
+(kv/trace.py), the ZMQ publisher and the inspector subscribe. Nothing is built unless somebody
+listens (``if self.events.ops``).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
-from pagedllm.kv.block_pool import BlockHash, BlockPool, KVBlock
+from pagedllm.kv import events as ev
+from pagedllm.kv.block_pool import BlockHash, BlockPool, KVBlock, hash_hex
 from pagedllm.kv.host_tier import HostTier
 from pagedllm.kv.prefix import (
     PrefixCacheStats,
@@ -61,7 +65,8 @@ class KVCacheManager:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.events = ev.KVEventBus()  # subscribe here (kv/events.py); the pool publishes too
+        self.pool = BlockPool(num_blocks, self.events)
         self.cow = CopyOnWrite()
         self.host = HostTier(num_host_blocks)
         self.window = None if sliding_window is None else SlidingWindow(sliding_window, block_size)
@@ -74,7 +79,6 @@ class KVCacheManager:
         self._pins: list[str] = []  # pseudo-requests holding pinned (preheated) prefix blocks
         self.num_window_freed = 0  # blocks freed behind the sliding window, in all
         self._max_blocks = num_blocks
-        self.tracer: object | None = None  # the KVTracer recording this manager (kv/trace.py)
 
     @property
     def num_blocks(self) -> int:
@@ -137,6 +141,11 @@ class KVCacheManager:
         """Leading positions of the table whose blocks were freed behind the sliding window."""
         return self._skipped[request_id]
 
+    def _positions(self, request_id: str) -> list[int | None]:
+        """The request's held block ids by table position, None where freed behind the window
+        (how op events name a table)."""
+        return [None] * self._skipped[request_id] + self.held_blocks(request_id)
+
     def block_hashes(self, request_id: str) -> list[BlockHash | None]:
         """A copy of the hashes of the request's leading full, computed blocks, by position."""
         return list(self._hashes.get(request_id, ()))
@@ -192,7 +201,11 @@ class KVCacheManager:
                                      self.window)
             hit_hashes = [b.block_hash for b in hit]
         if self.num_blocks_needed(request_id, num_total_tokens, prefix) > self.pool.num_free_blocks:
+            if self.events.ops:
+                self._allocated(request_id, num_total_tokens, prefix, None, 0, 0)
             return False
+        num_before = len(table) if table is not None else len(hit)
+        copies_before = len(self.cow.pending)
         if table is None:
             self.pool.touch(hit, prefix_hit=True)  # before get_new_blocks: keeps our own prefix
             table = self._tables[request_id] = list(hit)
@@ -203,7 +216,26 @@ class KVCacheManager:
         n_new = -(-num_total_tokens // self.block_size) - len(table) - self._skipped[request_id]
         if n_new > 0:
             table.extend(self.pool.get_new_blocks(n_new))
+        if self.events.ops:
+            self._allocated(request_id, num_total_tokens, prefix, table, num_before, copies_before)
         return True
+
+    def _allocated(self, request_id: str, num_total_tokens: int, prefix: PrefixHit | None,
+                   table: list[KVBlock] | None, num_before: int, copies_before: int) -> None:
+        """Publish an allocate (``table`` None: refused) and its effects: the prefix hit that
+        seeded a new table (its first ``num_before`` blocks) and copy-on-write copies."""
+        hit = list(prefix.blocks) if prefix is not None else []
+        skipped = prefix.num_skipped if prefix is not None and hit else 0
+        if table is not None:
+            if hit:
+                hashes = [b.block_hash for b in table[:num_before]]
+                self.events.publish(ev.PrefixHitTaken(request_id, hit, [
+                    hash_hex(h.value) for h in hashes if h is not None]))
+            for src, dst in self.cow.pending[copies_before:]:
+                self.events.publish(ev.CowCopied(request_id, src, dst))
+        new = [] if table is None else [b.block_id for b in table[num_before:]]
+        self.events.publish(ev.Allocated(request_id, num_total_tokens, hit, table is not None,
+                                         new, skipped))
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                      extra_keys: tuple | None = None) -> None:
@@ -218,12 +250,19 @@ class KVCacheManager:
         num_full = min(num_computed_tokens, len(token_ids), (skip + len(table)) * bs) // bs
         if hashes and hashes[-1] is None:
             return  # the chain's parent is unknown (a replayed windowed hit): cannot extend it
-        for i in range(len(hashes), num_full):
+        start = len(hashes)
+        for i in range(start, num_full):
             h = make_block_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs],
                                 extra_keys)
             if i >= skip:  # a block freed behind the window is never hashed into the index
                 self.pool.cache_block(table[i - skip], h)
             hashes.append(h)
+        if self.events.ops and num_full > start:
+            self.events.publish(ev.Cached(
+                request_id, start, list(token_ids[start * bs:num_full * bs]),
+                self._positions(request_id)[start:num_full],
+                [hash_hex(h.value) for h in hashes[start:] if h is not None],
+                None if extra_keys is None else list(extra_keys)))
 
     def free_outside_window(self, request_id: str, num_computed_tokens: int) -> int:
         """Free the blocks wholly before the window of every token after the first
@@ -241,6 +280,9 @@ class KVCacheManager:
         self.cow.shift(request_id, n)
         self.pool.free_blocks(gone)
         self.num_window_freed += n
+        if self.events.ops:
+            self.events.publish(ev.WindowFreed(request_id, num_computed_tokens,
+                                               [b.block_id for b in gone]))
         return n
 
     def rollback(self, request_id: str, num_tokens: int) -> list[int]:
@@ -253,11 +295,18 @@ class KVCacheManager:
             b.ref_cnt == 1 and b.block_hash is None for b in gone), "rollback past a hash or a share"
         del table[keep:]
         self.pool.free_blocks(reversed(gone))
-        return [b.block_id for b in gone]
+        freed = [b.block_id for b in gone]
+        if self.events.ops and freed:
+            self.events.publish(ev.RolledBack(request_id, num_tokens, freed))
+        return freed
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first: among its cached blocks the deepest
         is evicted first. Unknown ids are a no-op."""
+        if self.events.ops and request_id in self._hashes:  # held or swapped out
+            held = request_id in self._tables
+            self.events.publish(ev.Freed(request_id, self._positions(request_id) if held else [],
+                                         self.host.holds(request_id)))
         table = self._tables.pop(request_id, None)
         self._hashes.pop(request_id, None)
         self._skipped.pop(request_id, None)
@@ -268,7 +317,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; refused (False) while any request holds blocks."""
-        return not any(self._tables.values()) and self.pool.reset_prefix_cache()
+        ok = not any(self._tables.values()) and self.pool.reset_prefix_cache()
+        if self.events.ops:
+            self.events.publish(ev.PrefixCacheReset(ok))
+        return ok
 
     # -- sharing: fork (copy-on-write, kv/sharing.py) and pinned prefixes --------------------------
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
@@ -282,10 +334,16 @@ class KVCacheManager:
                                                 self.block_size)
         self._skipped[child_id] = skip
         self._hashes[child_id] = self._hashes[parent_id][:num_tokens // self.block_size]
+        if self.events.ops:
+            self.events.publish(ev.Forked(parent_id, child_id, num_tokens,
+                                          self._positions(child_id)))
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """``allocate_slots``'s (src, dst) copies since the last call, to apply before dst is written."""
-        return self.cow.take()
+        copies = self.cow.take()
+        if self.events.ops and copies:
+            self.events.publish(ev.CopiesTaken([list(c) for c in copies]))
+        return copies
 
     def pin(self, token_ids: Sequence[int]) -> int:
         """Warm-up: hold ``find_prefix``'s hit for ``token_ids`` under a pseudo-request, never
@@ -324,26 +382,31 @@ class KVCacheManager:
         (nothing changed) if it lacks room. The request keeps its computed count, prefix hashes
         and window offset; its device blocks are freed (shared ones stay with their holders)."""
         table = self._held(request_id)
-        if len(table) > self.host.num_free_blocks:
-            return None
-        pairs = self.host.swap_out(request_id, self.cow.sources(request_id, table))
-        assert pairs is not None
-        del self._tables[request_id]
-        self.pool.free_blocks(reversed(table))
+        pairs = None
+        if len(table) <= self.host.num_free_blocks:
+            pairs = self.host.swap_out(request_id, self.cow.sources(request_id, table))
+            assert pairs is not None
+            del self._tables[request_id]
+            self.pool.free_blocks(reversed(table))
+        if self.events.ops:
+            self.events.publish(ev.SwappedOut(request_id, _pairs(pairs)))
         return pairs
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
         """Bring a swapped request back into fresh device blocks: (host, device) pairs, or None
         (no change) if too few are free. Its hashes re-register where no other block holds them."""
         n = self.host.num_blocks_of(request_id)
-        if n > self.pool.num_free_blocks:
-            return None
-        blocks = self.pool.get_new_blocks(n)
-        self._tables[request_id] = blocks
-        for b, h in zip(blocks, self._hashes[request_id][self._skipped[request_id]:]):
-            if h is not None and self.pool.get_cached_block(h) is None:
-                self.pool.cache_block(b, h)
-        return self.host.swap_in(request_id, [b.block_id for b in blocks])
+        pairs = None
+        if n <= self.pool.num_free_blocks:
+            blocks = self.pool.get_new_blocks(n)
+            self._tables[request_id] = blocks
+            for b, h in zip(blocks, self._hashes[request_id][self._skipped[request_id]:]):
+                if h is not None and self.pool.get_cached_block(h) is None:
+                    self.pool.cache_block(b, h)
+            pairs = self.host.swap_in(request_id, [b.block_id for b in blocks])
+        if self.events.ops:
+            self.events.publish(ev.SwappedIn(request_id, _pairs(pairs)))
+        return pairs
 
     # -- pool size and layout (the pool does the work, tables follow) ------------------------------
     @property
@@ -365,15 +428,23 @@ class KVCacheManager:
         remap = self.pool.compact()
         for table in self._tables.values():
             table[:] = [remap.get(b.block_id, b) for b in table]
-        return [(s, d.block_id) for s, d in remap.items()]
+        moves = [(s, d.block_id) for s, d in remap.items()]
+        if self.events.ops:
+            self.events.publish(ev.Compacted(_pairs(moves)))
+        return moves
 
     def grow(self, n: int) -> None:
         """Add ``n`` fresh blocks (ids num_blocks .. num_blocks + n - 1)."""
         self.pool.grow(n)
+        if self.events.ops:
+            self.events.publish(ev.Grown(n))
 
     def shrink(self, n: int) -> bool:
         """Drop blocks ``n`` .. end if all are free (call ``compact`` first); False otherwise."""
-        return self.pool.shrink(n)
+        ok = self.pool.shrink(n)
+        if self.events.ops:
+            self.events.publish(ev.Shrunk(n, ok))
+        return ok
 
     def check_integrity(self) -> None:
         """Pool invariants, plus: each block's ref_cnt equals the number of tables holding it, no
@@ -398,3 +469,8 @@ class KVCacheManager:
             "hash lists, offsets and tables disagree")
         self.host.check_integrity()
         self.pool.check_integrity(refs)
+
+
+def _pairs(pairs: list[tuple[int, int]] | None) -> Any:
+    """(a, b) pairs as lists, how events carry them (None stays None)."""
+    return None if pairs is None else [list(p) for p in pairs]
