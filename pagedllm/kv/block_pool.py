@@ -23,7 +23,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from pagedllm.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBus
+from pagedllm.kv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Compacted,
+    Grown,
+    KVEventBus,
+    Shrunk,
+    hash_hex,
+)
+
+__all__ = ["BlockHash", "BlockPool", "FreeBlockQueue", "KVBlock", "hash_hex"]
 
 
 class BlockHash(NamedTuple):
@@ -37,11 +48,6 @@ class BlockHash(NamedTuple):
     parent: int | None  # value of the previous block's hash; None for the first block
     token_ids: tuple[int, ...]
     extra_keys: tuple | None
-
-
-def hash_hex(value: int) -> str:
-    """A ``BlockHash.value`` as 32 hex digits (how the KV trace writes it)."""
-    return f"{value:032x}"
 
 
 class KVBlock:
@@ -267,18 +273,22 @@ class BlockPool:
         self.blocks.extend(new)
         for b in reversed(new):
             self.free_queue.appendleft(b)
+        if self.events.ops:
+            self.events.publish(Grown(n))
 
     def shrink(self, n: int) -> bool:
         """Drop blocks ``n`` .. end if all are free (``compact`` first); False (no change)
         otherwise. Cached hashes of dropped blocks are evicted."""
         tail = self.blocks[n:]
-        if n < 1 or any(b.ref_cnt > 0 for b in tail):
-            return False
-        for b in tail:
-            self.free_queue.remove(b)
-            self._evict(b)
-        del self.blocks[n:]
-        return True
+        ok = n >= 1 and all(b.ref_cnt == 0 for b in tail)
+        if ok:
+            for b in tail:
+                self.free_queue.remove(b)
+                self._evict(b)
+            del self.blocks[n:]
+        if self.events.ops:
+            self.events.publish(Shrunk(n, ok))
+        return ok
 
     def fragmentation(self) -> int:
         """Referenced blocks at ids >= num_used_blocks (what ``compact`` would move)."""
@@ -311,6 +321,8 @@ class BlockPool:
                 self.cached[dst.block_hash.value] = dst
             self.free_queue.append(src)
             remap[src.block_id] = dst
+        if self.events.ops:
+            self.events.publish(Compacted([[s, d.block_id] for s, d in remap.items()]))
         return remap
 
     # -- invariants ---------------------------------------------------------------------------

@@ -29,8 +29,8 @@ listeners as one ``KVEventBatch`` with a timestamp, vLLM's unit of publication.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any, Union
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, Union
 
 import msgspec
 
@@ -187,6 +187,39 @@ class RolledBack(KVOpEvent, tag="rollback"):
 
 KVEvent = Union[CacheEvent, KVOpEvent]  # noqa: UP007 - a runtime value
 Listener = Callable[[Any], None]
+
+
+def hash_hex(value: int) -> str:
+    """A ``BlockHash.value`` as 32 hex digits: how events (and the KV trace) carry hashes."""
+    return f"{value:032x}"
+
+
+def pairs(items: Sequence[tuple[int, int]] | None) -> list[list[int]] | None:
+    """(a, b) pairs as lists, how events carry them (None stays None)."""
+    return None if items is None else [list(p) for p in items]
+
+
+class _Block(Protocol):
+    block_id: int
+
+    @property
+    def block_hash(self) -> Any: ...
+
+
+def publish_allocate(bus: KVEventBus, request_id: str, num_tokens: int, hit: Sequence[_Block],
+                     skipped: int, new: Sequence[_Block] | None,
+                     copies: Sequence[tuple[int, int]] = ()) -> None:
+    """An ``allocate_slots`` (``new``: the blocks it appended; None: refused), after its effects
+    when it succeeded: the prefix hit ``hit`` that seeded a new table, copy-on-write copies."""
+    hit_ids = [b.block_id for b in hit]
+    if new is not None:
+        if hit_ids:
+            bus.publish(PrefixHitTaken(request_id, hit_ids, [hash_hex(b.block_hash.value)
+                                                             for b in hit]))
+        for src, dst in copies:
+            bus.publish(CowCopied(request_id, src, dst))
+    bus.publish(Allocated(request_id, num_tokens, hit_ids, new is not None,
+                          [] if new is None else [b.block_id for b in new], skipped))
 
 
 class _Batcher:

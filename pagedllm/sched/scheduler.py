@@ -375,11 +375,8 @@ class Scheduler:
 
     def end_step(self) -> SchedulerOutput | None:
         """After a step's outputs are processed: the KV-only step that compacts (a trigger fired)
-        or shrinks the pool (idle), if any (``KVMemoryPolicy.end_step``). Then the step's KV
-        events go out as one batch (kv/events.py ``end_step``)."""
-        upkeep = self.memory.end_step(self.requests.values(), idle=not self.requests)
-        self.kv.events.end_step()
-        return upkeep
+        or shrinks the pool (idle), if any (``KVMemoryPolicy.end_step``)."""
+        return self.memory.end_step(self.requests.values(), idle=not self.requests)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int],
                accepted: dict[str, int] | None = None) -> list[Request]:

@@ -1,14 +1,16 @@
 """KV events (kv/events.py): the exact events of small scenarios, per-step batches and their
 coalescing, plain data across a process boundary, no event built while nobody listens, and a
-failing listener that cannot break the manager."""
+failing listener that cannot break the manager; and the engine's one batch per step."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 
+from pagedllm import LLM, SamplingParams
 from pagedllm.kv.block_pool import hash_hex
 from pagedllm.kv.events import (
     AllBlocksCleared,
@@ -149,3 +151,20 @@ def test_a_failing_listener_is_dropped_and_the_call_completes(
     assert kv.events.active and not kv.events.ops  # broken is gone, the mirror stays
     assert "disk full" in caplog.text and "unsubscribed" in caplog.text
     assert mirror.blocks == {hash_hex(v): b.block_id for v, b in kv.pool.cached.items()}
+
+
+def test_engine_publishes_one_batch_per_step(tiny_models: dict[str, Path]) -> None:
+    """Through LLM.generate: the step batches alone rebuild the pool's prefix-cache index."""
+    llm = LLM(model=str(tiny_models["llama"]), block_size=4, num_kv_blocks=24, max_model_len=96)
+    kv = llm.engine.kv
+    mirror, batches = KVCacheMirror(), []
+    kv.events.subscribe_batches(lambda b: (batches.append(b), mirror.apply(b)))
+    system = list(range(5, 17))  # 3 shared blocks, then distinct tails
+    prompts = [{"prompt_token_ids": system + [40 + i] * (3 + 5 * i)} for i in range(6)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                 use_tqdm=False)
+    kinds = {type(e) for b in batches for e in b.events}
+    assert kinds == {BlockStored, BlockRemoved}  # 24 blocks: the cache is evicted from too
+    assert len(batches) <= llm.engine.scheduler.num_steps
+    assert [b.ts for b in batches] == sorted(b.ts for b in batches)
+    assert mirror.blocks.keys() == {hash_hex(v) for v in kv.pool.cached}
