@@ -171,8 +171,8 @@ class KVCacheManager:
             if self.events.ops:
                 ev.publish_allocate(self.events, request_id, num_total_tokens, hit, skip, None)
             return False
-        num_before = len(table) if table is not None else len(hit)
-        copies_before = len(self.cow.pending)
+        if ops := self.events.ops:  # the op event names the blocks and copies this call adds
+            num_before, copies_before = len(hit if table is None else table), len(self.cow.pending)
         if table is None:
             self.pool.touch(hit, prefix_hit=True)  # before get_new_blocks: keeps our own prefix
             table = self.tables.held[request_id] = list(hit)
@@ -182,7 +182,7 @@ class KVCacheManager:
         n_new = -(-num_total_tokens // self.block_size) - len(table) - self.tables.skipped[request_id]
         if n_new > 0:
             table.extend(self.pool.get_new_blocks(n_new))
-        if self.events.ops:
+        if ops:
             ev.publish_allocate(self.events, request_id, num_total_tokens, hit, skip,
                                 table[num_before:], self.cow.pending[copies_before:])
         return True
@@ -207,7 +207,7 @@ class KVCacheManager:
             if i >= skip:  # a block freed behind the window is never hashed into the index
                 self.pool.cache_block(table[i - skip], h)
             hashes.append(h)
-        if self.events.ops and num_full > start:
+        if num_full > start and self.events.ops:
             self.events.publish(ev.Cached(
                 request_id, start, list(token_ids[start * bs:num_full * bs]),
                 self.tables.positions(request_id)[start:num_full],
