@@ -21,9 +21,10 @@ Cost: the manager builds an event only while somebody listens (``bus.active`` fo
 ``bus.ops`` for op events: one attribute test on the hot path otherwise). Listeners are called
 synchronously, in order, inside the call that caused the event (the effects of an op come before
 the op's own event); they must not call back into the manager. A listener that raises is logged
-and unsubscribed: an observer never breaks the call it observes (the pool's state stays whole). ``end_step()`` (the scheduler
-calls it at the end of every engine step) hands the step's cache events, coalesced, to batch
-listeners as one ``KVEventBatch`` with a timestamp, vLLM's unit of publication.
+and unsubscribed: an observer never breaks the call it observes (the pool stays whole).
+``end_step()`` (``KVMemoryPolicy.end_step`` calls it at the end of every engine step) hands the
+step's cache events, coalesced, to batch listeners as one ``KVEventBatch`` with a timestamp,
+vLLM's unit of publication.
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ def publish_allocate(bus: KVEventBus, request_id: str, num_tokens: int, hit: Seq
 class _Batcher:
     """Collects a step's cache events for batch listeners, merging a ``BlockStored`` that
     continues the previous one's chain into it, and consecutive ``BlockRemoved`` (order between
-    kinds is kept). The merged events are its own copies: synchronous listeners saw the originals."""
+    kinds is kept). Merged events are its own copies: synchronous listeners saw the originals."""
 
     def __init__(self) -> None:
         self.events: list[CacheEvent] = []

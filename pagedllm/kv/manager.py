@@ -179,7 +179,8 @@ class KVCacheManager:
             self.tables.skipped[request_id] = skip
             self.tables.hashes[request_id] = [*[None] * skip, *hit_hashes]
         self.cow.before_write(request_id, table, self.pool)
-        n_new = -(-num_total_tokens // self.block_size) - len(table) - self.tables.skipped[request_id]
+        n_new = -(-num_total_tokens // self.block_size) - len(table)  # positions to add ...
+        n_new -= self.tables.skipped[request_id]  # ... past those freed behind the window
         if n_new > 0:
             table.extend(self.pool.get_new_blocks(n_new))
         if ops:
@@ -254,9 +255,8 @@ class KVCacheManager:
         """Release the request's blocks, last block first: among its cached blocks the deepest
         is evicted first. Unknown ids are a no-op."""
         if self.events.ops and request_id in self.tables.hashes:  # held or swapped out
-            held = request_id in self.tables.held
-            self.events.publish(ev.Freed(request_id, self.tables.positions(request_id) if held else [],
-                                         self.host.holds(request_id)))
+            held = self.tables.positions(request_id) if request_id in self.tables.held else []
+            self.events.publish(ev.Freed(request_id, held, self.host.holds(request_id)))
         table = self.tables.held.pop(request_id, None)
         self.tables.hashes.pop(request_id, None)
         self.tables.skipped.pop(request_id, None)
@@ -279,9 +279,9 @@ class KVCacheManager:
         if child_id in self.tables.held:
             raise ValueError(f"request {child_id!r} already has blocks")
         skip = self.tables.skipped[parent_id] if parent_id in self.tables.held else 0
-        self.tables.held[child_id] = self.cow.share(self.pool, parent_id, self.tables.table(parent_id),
-                                                child_id, num_tokens - skip * self.block_size,
-                                                self.block_size)
+        self.tables.held[child_id] = self.cow.share(
+            self.pool, parent_id, self.tables.table(parent_id), child_id,
+            num_tokens - skip * self.block_size, self.block_size)
         self.tables.skipped[child_id] = skip
         self.tables.hashes[child_id] = self.tables.hashes[parent_id][:num_tokens // self.block_size]
         if self.events.ops:
@@ -350,7 +350,8 @@ class KVCacheManager:
         if n <= self.pool.num_free_blocks:
             blocks = self.pool.get_new_blocks(n)
             self.tables.held[request_id] = blocks
-            for b, h in zip(blocks, self.tables.hashes[request_id][self.tables.skipped[request_id]:]):
+            skip = self.tables.skipped[request_id]
+            for b, h in zip(blocks, self.tables.hashes[request_id][skip:]):
                 if h is not None and self.pool.get_cached_block(h) is None:
                     self.pool.cache_block(b, h)
             pairs = self.host.swap_in(request_id, [b.block_id for b in blocks])

@@ -64,7 +64,7 @@ def capture_kv(kv: KVCacheManager) -> dict[str, Any]:
         "blocks": "".join(chars),
         "refs": refs,
         "host": "".join(host),
-        "tables": {rid: [b.block_id for b in t] for rid, t in kv.tables.held.items()},  # held blocks
+        "tables": {rid: [b.block_id for b in t] for rid, t in kv.tables.held.items()},  # held
         "host_tables": host_tables,
         "prefix": prefix,
     }
