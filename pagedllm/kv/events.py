@@ -348,21 +348,26 @@ class KVCacheMirror:
     """A subscriber's view of the prefix cache rebuilt from the events: hash -> block id. The
     hashes follow from cache events alone (what a router in another process keeps); the block
     ids stay exact only with op events too (``subscribe(mirror, ops=True)``: ``Compacted``
-    moves blocks without a cache event). The tests compare it with the pool's index."""
+    moves blocks without a cache event). The tests compare it with the pool's index.
 
-    def __init__(self) -> None:
+    ``strict``: a hash stored twice or removed unseen raises ValueError (the stream is out of
+    step with the mirror: the tests); otherwise it is taken as is (a mirror that joined a
+    running engine late)."""
+
+    def __init__(self, strict: bool = False) -> None:
         self.blocks: dict[str, int] = {}
+        self.strict = strict
 
     def __call__(self, event: KVEvent) -> None:
-        """Apply one event; a ValueError says the stream is out of step with this mirror."""
+        """Apply one event."""
         if isinstance(event, BlockStored):
             for h, b in zip(event.block_hashes, event.block_ids, strict=True):
-                if h in self.blocks:
+                if self.strict and h in self.blocks:
                     raise ValueError(f"block hash {h} stored twice")
                 self.blocks[h] = b
         elif isinstance(event, BlockRemoved):
             for h in event.block_hashes:
-                if self.blocks.pop(h, None) is None:
+                if self.blocks.pop(h, None) is None and self.strict:
                     raise ValueError(f"block hash {h} removed but not cached")
         elif isinstance(event, AllBlocksCleared):
             self.blocks.clear()

@@ -138,7 +138,7 @@ def test_nothing_is_built_while_nobody_listens() -> None:
 def test_a_failing_listener_is_dropped_and_the_call_completes(
         caplog: pytest.LogCaptureFixture) -> None:
     kv = KVCacheManager(4, 2)
-    mirror = KVCacheMirror()
+    mirror = KVCacheMirror(strict=True)
     kv.events.subscribe(mirror)
 
     def broken(event: object) -> None:
@@ -157,7 +157,7 @@ def test_engine_publishes_one_batch_per_step(tiny_models: dict[str, Path]) -> No
     """Through LLM.generate: the step batches alone rebuild the pool's prefix-cache index."""
     llm = LLM(model=str(tiny_models["llama"]), block_size=4, num_kv_blocks=24, max_model_len=96)
     kv = llm.engine.kv
-    mirror, batches = KVCacheMirror(), []
+    mirror, batches = KVCacheMirror(strict=True), []
     kv.events.subscribe_batches(lambda b: (batches.append(b), mirror.apply(b)))
     system = list(range(5, 17))  # 3 shared blocks, then distinct tails
     prompts = [{"prompt_token_ids": system + [40 + i] * (3 + 5 * i)} for i in range(6)]
@@ -168,3 +168,20 @@ def test_engine_publishes_one_batch_per_step(tiny_models: dict[str, Path]) -> No
     assert len(batches) <= llm.engine.scheduler.num_steps
     assert [b.ts for b in batches] == sorted(b.ts for b in batches)
     assert mirror.blocks.keys() == {hash_hex(v) for v in kv.pool.cached}
+
+
+def test_a_late_mirror_follows_from_where_it_joined() -> None:
+    """Subscribed after blocks were cached: removals of hashes it never saw are taken as they
+    come (a strict mirror would be out of step and dropped), and it stays subscribed."""
+    kv = KVCacheManager(3, 2)
+    assert kv.allocate_slots("a", 4)
+    kv.cache_blocks("a", [1, 2, 3, 4], 4)
+    kv.free("a")
+    late, strict = KVCacheMirror(), KVCacheMirror(strict=True)
+    kv.events.subscribe(late)
+    kv.events.subscribe(strict)
+    assert kv.allocate_slots("b", 6)  # evicts both unseen hashes
+    kv.cache_blocks("b", [5, 6, 7, 8, 9, 9], 6)
+    assert late.blocks == {hash_hex(v): b.block_id for v, b in kv.pool.cached.items()}
+    kv.events.unsubscribe(late)
+    assert not kv.events.active  # the strict one was dropped at the first unseen removal

@@ -46,7 +46,8 @@ class KVMachine(RuleBasedStateMachine):
         self.mirrors: tuple[KVCacheMirror, KVCacheMirror, KVCacheMirror] | None = None
         self.event_errors: list[str] = []
         if listen:
-            self.mirrors = (KVCacheMirror(), KVCacheMirror(), KVCacheMirror())
+            self.mirrors = (KVCacheMirror(strict=True), KVCacheMirror(strict=True),
+                            KVCacheMirror(strict=True))
             self.m.events.subscribe(self.mirrors[0], ops=True)
             self.m.events.subscribe(self.mirrors[1])
             self.m.events.subscribe_batches(self.mirrors[2].apply)

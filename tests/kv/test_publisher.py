@@ -67,7 +67,7 @@ def test_subscriber_socket_rebuilds_the_index() -> None:
         kv.events.end_step()
         got = _receive(sub, first, 3)
         assert got == local  # byte-exact across the socket
-        mirror = KVCacheMirror()
+        mirror = KVCacheMirror(strict=True)
         for batch in got:
             mirror.apply(batch)
         assert mirror.blocks == {hash_hex(v): b.block_id for v, b in kv.pool.cached.items()}
@@ -92,7 +92,7 @@ def test_engine_publishes_on_kv_events_endpoint(tiny_models: dict[str, Path]) ->
                      use_tqdm=False)
         got = _receive(sub, first, pub.seq - first)
         assert got and all(b.events for b in got)
-        mirror = KVCacheMirror()
+        mirror = KVCacheMirror(strict=True)
         for batch in got:
             mirror.apply(batch)
         assert mirror.blocks.keys() == {hash_hex(v) for v in llm.engine.kv.pool.cached}
