@@ -16,6 +16,9 @@ from pagedllm.kv.events import KVCacheMirror, KVEventBatch
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.kv.publisher import DEFAULT_TOPIC, ZmqEventPublisher, decode_batch
 
+ANY_PORT = 0  # the publisher binds port 0 and reads the endpoint back (``pub.endpoint``)
+LOOPBACK = f"tcp://127.0.0.1:{ANY_PORT}"
+
 
 def _subscribe(ctx: zmq.Context, pub: ZmqEventPublisher) -> zmq.Socket:
     """A SUB socket on ``pub``, past the slow-joiner window: empty batches are published until
@@ -46,7 +49,7 @@ def _receive(sub: zmq.Socket, first_seq: int, n: int) -> list[KVEventBatch]:
 
 def test_subscriber_socket_rebuilds_the_index() -> None:
     kv = KVCacheManager(6, 2)
-    pub = ZmqEventPublisher(kv.events, "tcp://127.0.0.1:0")
+    pub = ZmqEventPublisher(kv.events, LOOPBACK)
     ctx = zmq.Context()
     sub = _subscribe(ctx, pub)
     try:
@@ -79,7 +82,7 @@ def test_subscriber_socket_rebuilds_the_index() -> None:
 
 def test_engine_publishes_on_kv_events_endpoint(tiny_models: dict[str, Path]) -> None:
     llm = LLM(model=str(tiny_models["llama"]), block_size=4, num_kv_blocks=24,
-              max_model_len=96, kv_events_endpoint="tcp://127.0.0.1:0")
+              max_model_len=96, kv_events_endpoint=LOOPBACK)
     pub = llm.engine.kv_publisher
     assert pub is not None and pub.endpoint.startswith("tcp://127.0.0.1:")
     ctx = zmq.Context()
@@ -104,7 +107,7 @@ def test_engine_publishes_on_kv_events_endpoint(tiny_models: dict[str, Path]) ->
 
 
 def test_taken_endpoint_names_the_flag() -> None:
-    first = ZmqEventPublisher(KVCacheManager(2, 2).events, "tcp://127.0.0.1:0")
+    first = ZmqEventPublisher(KVCacheManager(2, 2).events, LOOPBACK)
     try:
         with pytest.raises(ValueError, match="--kv-events-endpoint"):
             ZmqEventPublisher(KVCacheManager(2, 2).events, first.endpoint)
