@@ -63,9 +63,8 @@ def add_tokenize_routes(app: FastAPI, srv: _Server, chat_template: str | None) -
             if messages is not None:
                 ids = render_chat(tok, messages, add_generation_prompt=req.add_generation_prompt,
                                   chat_template=chat_template,
-                                  chat_template_kwargs=req.chat_template_kwargs)
-                if req.add_special_tokens:  # the template writes them; vLLM's default is False
-                    ids = tok.build_inputs_with_special_tokens(ids)
+                                  chat_template_kwargs=req.chat_template_kwargs,
+                                  add_special_tokens=bool(req.add_special_tokens))
             else:
                 ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
             strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
