@@ -317,10 +317,18 @@ class ModelList(BaseModel):
 
 
 class ErrorInfo(BaseModel):
+    """An error's text is escaped where it is not valid Unicode (a lone surrogate from a JSON
+    ``\\ud800`` escape, echoed from the request): an error path must never fail to encode."""
+
     message: str
     type: str
     param: str | None = None
     code: str | None = None
+
+    @field_validator("message", "type", "param", "code")
+    @classmethod
+    def _escape(cls, v: str | None) -> str | None:
+        return None if v is None else v.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ErrorResponse(BaseModel):

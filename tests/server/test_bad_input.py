@@ -219,3 +219,38 @@ def test_omitted_max_tokens_is_what_the_context_leaves(server: ServerThread) -> 
                    json={"prompt": "t5", "temperature": 0, "ignore_eos": True})
     assert r.json()["usage"]["completion_tokens"] == 16
     server.wait_idle()
+
+
+# a lone surrogate escape in a JSON key, in every place a client's keys go; each route
+KEY = '"\\ud800"'  # the JSON text \ud800: decodes to a lone surrogate no encoder takes
+SURROGATE_KEYS: list[tuple[str, str]] = [
+    ("/v1/completions", '{"prompt": "t5", "max_tokens": 2, %s: 1}'),
+    ("/v1/completions", '{"prompt": "t5", "max_tokens": 2, "metadata": {%s: "x"}}'),
+    ("/v1/completions", '{"prompt": "t5", "max_tokens": 2, "logit_bias": {%s: 1.0}}'),
+    ("/v1/completions", '{"prompt": "t5", "max_tokens": 2, "stream": true, %s: 1}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "t5"}], %s: 1}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "t5"}], "metadata": {%s: 1}}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "t5"}], "logit_bias": {%s: 1}}'),
+    ("/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "t5"}], "chat_template_kwargs": {%s: 1}}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "t5", %s: 1}]}'),
+    ("/tokenize", '{"prompt": "t5", %s: 1}'),
+    ("/tokenize", '{"messages": [{"role": "user", "content": "t5"}], "chat_template_kwargs": {%s: 1}}'),
+    ("/detokenize", '{"tokens": [5], %s: 1}'),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), SURROGATE_KEYS)
+def test_a_lone_surrogate_in_a_key_is_a_400_that_escapes_it(server: ServerThread, path: str,
+                                                              body: str) -> None:
+    """The 400 names the key, escaped (``\\ud800`` as text): echoing it raw made writing the
+    response fail (UnicodeEncodeError: a 500 or a reset connection)."""
+    with httpx.Client(base_url=server.base_url, headers={**AUTH, "Content-Type": "application/json"},
+                      timeout=30) as client:
+        r = client.post(path, content=(body % KEY).encode())
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "invalid_encoding" and "surrogate" in err["message"], err
+        assert "\\ud800" in err["message"] and "\ud800" not in r.text, err
+        assert client.post(path, content=(body % '"ok"').encode()).status_code < 500  # same connection
+    server.wait_idle()
