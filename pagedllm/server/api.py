@@ -24,6 +24,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm import __version__
 from pagedllm.chat import check_chat_template_kwargs, load_chat_template
@@ -129,7 +130,9 @@ def build_app(engine: LLMEngine, *, model_name: str | list[str] | None = None,
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return APIError(e.status_code, str(e.detail), type=kind).response()
+        response = APIError(e.status_code, str(e.detail), type=kind).response()
+        response.headers.update(e.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -139,12 +142,7 @@ def build_app(engine: LLMEngine, *, model_name: str | list[str] | None = None,
     async def _gone(_: Request, e: ClientDisconnect) -> Response:
         return Response(status_code=499)  # nobody reads it; nothing was queued yet
 
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        ref = f"error-{uuid.uuid4().hex}"
-        logger.exception("unhandled error (request id %s)", ref)
-        return APIError(500, f"internal server error (request id {ref}); the server log has the "
-                        f"details", type="server_error").response()
+    app.add_middleware(_Unhandled)
 
     @app.get("/health")
     async def health() -> Response:
@@ -299,6 +297,38 @@ def build_app(engine: LLMEngine, *, model_name: str | list[str] | None = None,
         add_inspector_routes(app, inspector, srv.check_auth)
     add_tokenize_routes(app, srv, template)
     return app
+
+
+class _Unhandled:
+    """An unhandled error is a 500 naming a request id, logged once with that id. (Starlette's
+    handler for ``Exception`` re-raises after answering, so uvicorn logged it a second time.)
+    Once a response has started nothing can be answered: the error goes on to uvicorn, which
+    logs it and closes the connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception:
+            if started:
+                raise
+            ref = f"error-{uuid.uuid4().hex}"
+            logger.exception("unhandled error (request id %s)", ref)
+            response = APIError(500, f"internal server error (request id {ref}); the server log "
+                                f"has the details", type="server_error").response()
+            await response(scope, receive, send)
 
 
 def _no_streamed_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:

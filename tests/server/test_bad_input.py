@@ -254,3 +254,29 @@ def test_a_lone_surrogate_in_a_key_is_a_400_that_escapes_it(server: ServerThread
         assert "\\ud800" in err["message"] and "\ud800" not in r.text, err
         assert client.post(path, content=(body % '"ok"').encode()).status_code < 500  # same connection
     server.wait_idle()
+
+
+JSON_ROUTES = [("/v1/completions", {"prompt": "t5", "max_tokens": 1}),
+               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "t5"}], "max_tokens": 1}),
+               ("/tokenize", {"prompt": "t5"}), ("/detokenize", {"tokens": [5]})]
+
+
+@pytest.mark.parametrize(("path", "body"), JSON_ROUTES)
+def test_only_json_bodies_are_read(server: ServerThread, path: str, body: dict[str, Any]) -> None:
+    """A body that does not say it is JSON is a 415: text/plain, form data and a body with no
+    type are what a web page may send cross-site without a preflight (CSRF on a server without
+    --api-key); application/json (with a charset) and +json types are read."""
+    raw = json.dumps(body).encode()
+    with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=30) as client:
+        for ctype in ("text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded",
+                      "multipart/form-data; boundary=x", "application/jsonx", "json", None):
+            headers = {} if ctype is None else {"Content-Type": ctype}
+            r = client.post(path, content=raw, headers=headers)
+            assert r.status_code == 415, (ctype, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "unsupported_media_type" and "application/json" in err["message"]
+        for ctype in ("application/json", "application/json; charset=utf-8", "Application/JSON",
+                      "application/vnd.pagedllm+json"):
+            r = client.post(path, content=raw, headers={"Content-Type": ctype})
+            assert r.status_code == 200, (ctype, r.text)
+    server.wait_idle()
