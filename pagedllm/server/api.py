@@ -20,7 +20,13 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -33,17 +39,22 @@ from pagedllm.logging_utils import init_logger
 from pagedllm.server.fields import check_extras, structured_outputs
 from pagedllm.server.inspector import KVInspector
 from pagedllm.server.inspector import add_routes as add_inspector_routes
+from pagedllm.server.openapi import GENERATE, PROMETHEUS, answers, body
+from pagedllm.server.openapi import install as install_openapi
 from pagedllm.server.prompts import Budget, _chat_prompt, _completion_prompts
 from pagedllm.server.protocol import (
     ChatChoice,
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatResponseMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
+    VersionResponse,
 )
 from pagedllm.server.responses import (
     _SSE_HEADERS,
@@ -117,6 +128,7 @@ def build_app(engine: LLMEngine, *, model_name: str | list[str] | None = None,
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, openapi_url=None,
                   docs_url=None, redoc_url=None)  # served below, behind the key
+    install_openapi(app, bearer=api_key is not None)
     app.state.server = srv
     app.state.engine = engine
     app.state.async_engine = srv.async_engine
@@ -144,18 +156,18 @@ def build_app(engine: LLMEngine, *, model_name: str | list[str] | None = None,
 
     app.add_middleware(_Unhandled)
 
-    @app.get("/health")
+    @app.get("/health", responses=answers(HealthResponse, 503))
     async def health() -> Response:
         if not srv.async_engine.is_running:
             return APIError(503, "the engine is not running; the server log has the details",
                             type="server_error").response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/version")
+    @app.get("/version", responses=answers(VersionResponse))
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=PROMETHEUS)
     async def metrics() -> Response:
         return Response(srv.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -178,13 +190,14 @@ def build_app(engine: LLMEngine, *, model_name: str | list[str] | None = None,
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(srv.check_auth)])
 
-    @v1.get("/models")
+    @v1.get("/models", responses=answers(ModelList, 401))
     async def models() -> dict[str, Any]:
         ids = [srv.model_name] + [n for n in names[1:] if n != srv.model_name]
         return ModelList(data=[ModelCard(id=i, max_model_len=srv.max_model_len)
                                for i in ids]).model_dump()
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=body(CompletionRequest),
+             responses=answers(CompletionResponse, *GENERATE, stream=CompletionResponse))
     async def completions(request: Request) -> Response:
         body = await _read_json(request, srv.limits.max_request_bytes)
         req = _validate(CompletionRequest, body)
@@ -233,7 +246,8 @@ def build_app(engine: LLMEngine, *, model_name: str | list[str] | None = None,
                                   usage=_usage(prompt_tokens, completion_tokens))
         return Response(resp.model_dump_json(), media_type="application/json")
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=body(ChatCompletionRequest),
+             responses=answers(ChatCompletionResponse, *GENERATE, stream=ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         body = await _read_json(request, srv.limits.max_request_bytes)
         req = _validate(ChatCompletionRequest, body)

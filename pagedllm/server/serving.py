@@ -138,13 +138,13 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
     _check_json_content_type(request)
     cl = request.headers.get("content-length")
     if cl is not None and cl.isdigit() and int(cl) > limit:
-        raise APIError(400, f"the request body has {cl} bytes; the limit is {limit} (--max-request-bytes)",
+        raise APIError(413, f"the request body has {cl} bytes; the limit is {limit} (--max-request-bytes)",
                        param="body", code="request_too_large")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise APIError(400, f"the request body exceeds {limit} bytes (--max-request-bytes)",
+            raise APIError(413, f"the request body exceeds {limit} bytes (--max-request-bytes)",
                            param="body", code="request_too_large")
         chunks.append(chunk)
     raw = b"".join(chunks)

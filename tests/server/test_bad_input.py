@@ -28,7 +28,7 @@ BAD_COMPLETIONS: list[Case] = [
     (b"[1, 2, 3]", 400, "body", "JSON object"),
     (b"[" * 5000 + b"]" * 5000, 400, "body", "not valid JSON"),
     (b'{"prompt": ' + b'{"a": ' * 3000 + b"1" + b"}" * 3000 + b"}", 400, "body", "not valid JSON"),
-    (b"x" * (65 * 1024), 400, "body", "limit"),
+    (b"x" * (65 * 1024), 413, "body", "limit"),
     # lone UTF-16 surrogates, in every place text goes
     (b'{"prompt": "\\ud800abc", "max_tokens": 4}', 400, "prompt", "surrogate"),
     (b'{"prompt": ["t5", "t6 \\udc00"], "max_tokens": 4}', 400, "prompt", "surrogate"),
