@@ -112,9 +112,15 @@ class _SamplingFields(_Strict):
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
+_HAIKU = [{"role": "user", "content": "Write a haiku about memory."}]
 
 
 class CompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [  # the document's (/docs) examples
+        {"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0},
+        {"prompt": ["Once upon a time", "The KV cache"], "max_tokens": 16, "n": 2, "seed": 1,
+         "stream": True, "stream_options": {"include_usage": True}, "logprobs": 2}]})
+
     prompt: PromptInput
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -174,6 +180,11 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": _HAIKU, "max_tokens": 32},
+        {"messages": _HAIKU, "max_completion_tokens": 16, "n": 2, "stream": True,
+         "logprobs": True, "top_logprobs": 2, "response_format": {"type": "json_object"}}]})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -189,6 +200,10 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Strict):
     """``/tokenize``: either ``prompt`` (completions) or ``messages`` (chat), as vLLM takes them."""
 
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "def fibonacci(n):", "return_token_strs": True},
+        {"messages": _HAIKU, "add_special_tokens": True}]})
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -199,6 +214,8 @@ class TokenizeRequest(_Strict):
 
 
 class DetokenizeRequest(_Strict):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"tokens": [5, 6, 7]}]})
+
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)
 
