@@ -39,7 +39,7 @@ from pagedllm.logging_utils import init_logger
 from pagedllm.server.fields import check_extras, structured_outputs
 from pagedllm.server.inspector import KVInspector
 from pagedllm.server.inspector import add_routes as add_inspector_routes
-from pagedllm.server.openapi import GENERATE, PROMETHEUS, answers, body
+from pagedllm.server.openapi import GENERATE, PROMETHEUS, answers, request_body
 from pagedllm.server.openapi import install as install_openapi
 from pagedllm.server.prompts import Budget, _chat_prompt, _completion_prompts
 from pagedllm.server.protocol import (
@@ -196,7 +196,7 @@ def build_app(engine: LLMEngine, *, model_name: str | list[str] | None = None,
         return ModelList(data=[ModelCard(id=i, max_model_len=srv.max_model_len)
                                for i in ids]).model_dump()
 
-    @v1.post("/completions", openapi_extra=body(CompletionRequest),
+    @v1.post("/completions", openapi_extra=request_body(CompletionRequest),
              responses=answers(CompletionResponse, *GENERATE, stream=CompletionResponse))
     async def completions(request: Request) -> Response:
         body = await _read_json(request, srv.limits.max_request_bytes)
@@ -246,7 +246,7 @@ def build_app(engine: LLMEngine, *, model_name: str | list[str] | None = None,
                                   usage=_usage(prompt_tokens, completion_tokens))
         return Response(resp.model_dump_json(), media_type="application/json")
 
-    @v1.post("/chat/completions", openapi_extra=body(ChatCompletionRequest),
+    @v1.post("/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
              responses=answers(ChatCompletionResponse, *GENERATE, stream=ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         body = await _read_json(request, srv.limits.max_request_bytes)

@@ -3,9 +3,9 @@ route's body and answers (every refusal in the one error shape), ``/metrics`` as
 
 The routes read and validate their bodies themselves (``serving._read_json``, ``_validate``: size
 limit, strict UTF-8 and JSON, our messages), so FastAPI is told about the models only for the
-document: ``body`` for a route's ``openapi_extra``, ``answers`` for its ``responses``. All models
-go through one ``models_json_schema`` call, which names a model used both ways (``ToolCall``) once
-per mode, and ``install`` adds them to what FastAPI generates.
+document: ``request_body`` for a route's ``openapi_extra``, ``answers`` for its ``responses``.
+All models go through one ``models_json_schema`` call, which names a model used both ways apart
+if its two schemas differ, and ``install`` adds them to what FastAPI generates.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _ref(model: type[BaseModel], mode: JsonSchemaMode) -> dict[str, Any]:
     return dict(_REFS[(model, mode)])
 
 
-def body(model: type[BaseModel]) -> dict[str, Any]:
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
     """A route's ``openapi_extra``: its JSON request body."""
     return {"requestBody": {"required": True,
                             "content": {"application/json": {"schema": _ref(model, "validation")}}}}

@@ -112,7 +112,7 @@ class _SamplingFields(_Strict):
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
-_HAIKU = [{"role": "user", "content": "Write a haiku about memory."}]
+_HAIKU: Any = [{"role": "user", "content": "Write a haiku about memory."}]  # the docs' example
 
 
 class CompletionRequest(_SamplingFields):

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from pagedllm.chat import render_chat
 from pagedllm.checks import check_token_ids
 from pagedllm.engine import LLMEngine
-from pagedllm.server.openapi import REFUSALS, answers, body
+from pagedllm.server.openapi import REFUSALS, answers, request_body
 from pagedllm.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -31,7 +31,7 @@ def add_tokenize_routes(app: FastAPI, srv: _Server, chat_template: str | None) -
         except ValueError as e:
             raise APIError(400, str(e), param=_param(str(e))) from None
 
-    @router.post("/tokenize", openapi_extra=body(TokenizeRequest),
+    @router.post("/tokenize", openapi_extra=request_body(TokenizeRequest),
                  responses=answers(TokenizeResponse, *REFUSALS))
     async def tokenize(request: Request) -> dict[str, Any]:
         req = _validate(TokenizeRequest, await _read_json(request, srv.limits.max_request_bytes))
@@ -60,7 +60,7 @@ def add_tokenize_routes(app: FastAPI, srv: _Server, chat_template: str | None) -
 
         return await on_engine(run)
 
-    @router.post("/detokenize", openapi_extra=body(DetokenizeRequest),
+    @router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest),
                  responses=answers(DetokenizeResponse, *REFUSALS))
     async def detokenize(request: Request) -> dict[str, Any]:
         req = _validate(DetokenizeRequest, await _read_json(request, srv.limits.max_request_bytes))
