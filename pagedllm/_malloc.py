@@ -132,6 +132,7 @@ class IdleRelease:
         self._pending = False  # work was done since the last release
         self.releases = 0
         self.seconds = 0.0  # spent releasing, all releases together
+        self.last_s = 0.0  # the last release
 
     def worked(self) -> None:
         self._pending = True
@@ -141,10 +142,14 @@ class IdleRelease:
         """How long the loop may block for work before ``idle()`` is due."""
         return self.after_s if self._pending else None
 
-    def idle(self) -> None:
-        if self._pending:
-            self._pending = False
-            t0 = time.perf_counter()
-            self._release()
-            self.releases += 1
-            self.seconds += time.perf_counter() - t0
+    def idle(self) -> bool:
+        """The wait for work ran out: release, if there was work since the last release."""
+        if not self._pending:
+            return False
+        self._pending = False
+        t0 = time.perf_counter()
+        self._release()
+        self.last_s = time.perf_counter() - t0
+        self.releases += 1
+        self.seconds += self.last_s
+        return True

@@ -79,9 +79,9 @@ def test_idle_release_runs_once_per_idle_spell_never_while_busy() -> None:
     for _ in range(100):  # steps: each one only marks work
         idle.worked()
     assert calls == [] and idle.wait_s == 0.5
-    idle.idle()  # the wait for work ran out
+    assert idle.idle()  # the wait for work ran out
     assert calls == [1] and idle.releases == 1 and idle.wait_s is None
-    idle.idle()
+    assert not idle.idle()
     assert calls == [1]  # released already: no second release until more work
     idle.worked()
     idle.idle()

@@ -118,12 +118,13 @@ async def run_rounds(base: str, rounds: int, rss: Callable[[], float | None], in
 
 
 def summarize_rounds(rounds: list[dict[str, Any]], before: float | None) -> dict[str, Any]:
-    """Idle RSS before the rounds and after each; growth after the first (warm-up) round."""
+    """Idle RSS before the rounds and after each. Two figures judge it: the highest idle RSS over
+    the one before the rounds (a server that keeps a burst's memory doubles here), and the creep
+    per round after the first (warm-up) round, from the second round's idle RSS to the last's."""
     idle = [r["rss_idle_mib"] for r in rounds if r["rss_idle_mib"] is not None]
-    growth = None
-    if len(idle) >= 2:
-        growth = 100.0 * (max(idle[1:]) - idle[0]) / idle[0]
-    return {"rounds": rounds, "rss_before_mib": before,
-            "rss_idle_mib": idle, "rss_growth_after_first_pct": growth,
+    over = None if before is None or not idle else 100.0 * (max(idle) - before) / before
+    creep = None if len(idle) < 3 else (idle[-1] - idle[1]) / (len(idle) - 2)
+    return {"rounds": rounds, "rss_before_mib": before, "rss_idle_mib": idle,
+            "rss_idle_over_before_pct": over, "rss_creep_mib_per_round": creep,
             "server_errors": sum(n for r in rounds for s, n in r["statuses"].items()
                                  if s.isdigit() and int(s) >= 500)}

@@ -220,8 +220,9 @@ class AsyncEngine:
             cmd = self._commands.get(timeout=self.idle_release.wait_s) if block else \
                 self._commands.get_nowait()
         except queue.Empty:
-            if block:
-                self.idle_release.idle()
+            if block and self.idle_release.idle():
+                logger.debug("idle for %.1f s: freed memory given back in %.0f ms",
+                             self.idle_release.after_s, 1e3 * self.idle_release.last_s)
             return True
         self.idle_release.worked()
         try:
