@@ -20,15 +20,19 @@ It is process-wide and stays for the process's life. A thread other than the mai
 server's engine thread) allocates from its own glibc arena, whose heaps are at most 64 MiB:
 there blocks up to ~32 MiB are reused, larger ones are still mapped afresh each time.
 
-The price is paid while the engine works, not while it idles: ``IdleRelease`` gives every
-arena's free pages back (``malloc_trim(0)``) once an engine loop has had nothing to do for
-``IDLE_RELEASE_S``. Without it a server keeps its largest burst's free memory for good: one round of
-hostile input (1 MB prompts tokenized on the engine thread, 960 sequences queued and dropped) left
-~500 MiB free but resident in the engine thread's arena (``malloc_info``: 496 of 496 MiB free), whose
-64 MiB heaps are never shrunk under a 1 GiB trim threshold; each later round fragmented it further
-(+60 to +200 MiB). The release runs once per busy-to-idle change, never per step, and costs what
-giving the pages back costs (~160 ms for 800 MiB on a loaded 2-core VM; ~0.02 ms when nothing is
-free); the next burst faults its pages in again.
+The price is paid while the engine works, not while it idles: ``IdleRelease`` collects Python's
+cyclic garbage and gives every arena's free pages back (``malloc_trim(0)``) once an engine loop
+has had nothing to do for ``IDLE_RELEASE_S``. Without it a server kept its largest burst's memory
+for good: one round of hostile input (1 MB prompts tokenized on the engine thread, 960 sequences
+queued and dropped) took it from 510 to 1091 MiB at idle, then 1300 and 1364 after two more
+rounds. ``malloc_info`` showed where: 496 of the engine thread's arena's 496 MiB free, in 64 MiB
+heaps that glibc shrinks only when more than the trim threshold (1 GiB) is free at a heap's top,
+i.e. never; and ``gc`` found the refused prompts' token ids (~500,000 each) kept in cycles of an
+exception and the frames on its traceback until Python's next full collection. With the release,
+the same rounds end at 530-560 MiB. It runs once per idle spell, never per step, on the engine
+thread, and costs what giving the pages back costs (150-230 ms after a round on a loaded 2-core
+VM; the server keeps its start-up objects out of the collection, ``gc.freeze``); the next burst
+faults its pages in again. It does not depend on ``PAGEDLLM_MALLOC``.
 
 ``PAGEDLLM_MALLOC=auto`` (the default) applies it under glibc; ``PAGEDLLM_MALLOC=0`` leaves
 malloc alone, as do a user's own glibc settings (``MALLOC_*_`` variables, ``GLIBC_TUNABLES``)

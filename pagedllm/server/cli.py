@@ -79,6 +79,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = f"[{srv.host}]" if ":" in srv.host else srv.host
     print(f"pagedllm serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True)
     server = DrainingServer(app, srv.drain_timeout, log_level=srv.log_level)
-    server.run(sockets=[sock])
-    gc.unfreeze()  # let interpreter exit free them as usual
+    try:
+        server.run(sockets=[sock])
+    finally:
+        gc.unfreeze()  # let the interpreter's exit free them as usual
     return 0 if server.started else 3  # uvicorn's STARTUP_FAILURE
