@@ -68,3 +68,62 @@ def test_a_cpu_engine_keeps_freed_memory_so_large_blocks_fault_no_more() -> None
     assert off >= FRESH, f"glibc's default maps each 64 MiB afresh: {off} faults"
     user_line, user = _faults(MALLOC_TRIM_THRESHOLD_="131072")
     assert "MALLOC_TRIM_THRESHOLD_ set by the user" in user_line and user >= FRESH
+
+
+def test_idle_release_runs_once_per_idle_spell_never_while_busy() -> None:
+    calls: list[int] = []
+    idle = _malloc.IdleRelease(after_s=0.5, release=lambda: calls.append(1))
+    assert idle.wait_s is None  # nothing done yet: the loop may block for ever
+    idle.idle()
+    assert calls == []
+    for _ in range(100):  # steps: each one only marks work
+        idle.worked()
+    assert calls == [] and idle.wait_s == 0.5
+    assert idle.idle()  # the wait for work ran out
+    assert calls == [1] and idle.releases == 1 and idle.wait_s is None
+    assert not idle.idle()
+    assert calls == [1]  # released already: no second release until more work
+    idle.worked()
+    idle.idle()
+    assert calls == [1, 1]
+    with pytest.raises(ValueError, match="after_s"):
+        _malloc.IdleRelease(after_s=0)
+
+
+# A worker thread (its own glibc arena, as the server's engine thread) fills and frees 256 MiB
+# under the engine's malloc settings, keeping a few small blocks among them (a server's arena is
+# never empty: an empty heap would be unmapped whole), and 64 MiB are left in a reference cycle (as a refused
+# prompt's token ids in an exception's frames); print the RSS (MiB) at the start, after both,
+# and after release_free_memory().
+RELEASE = """
+import gc, threading
+from pagedllm import _malloc
+gc.disable()  # the cycle stays until someone collects, as between Python's rare full collections
+libc = _malloc.glibc()
+libc.mallopt(_malloc.M_MMAP_THRESHOLD, _malloc.MMAP_THRESHOLD)
+libc.mallopt(_malloc.M_TRIM_THRESHOLD, _malloc.TRIM_THRESHOLD)
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+base = rss()
+kept_small = []
+def work():
+    blocks = []
+    for _ in range(64):  # a small block that stays after each large one: no heap empties whole
+        blocks.append(bytearray(b"x") * (4 << 20))
+        kept_small.append(bytearray(b"k") * 1024)
+    del blocks
+    cycle = {"data": [bytearray(b"y") * (1 << 20) for _ in range(64)]}
+    cycle["self"] = cycle
+t = threading.Thread(target=work)
+t.start(); t.join()
+kept = rss()
+_malloc.release_free_memory()
+print(base, kept, rss())
+"""
+
+
+def test_release_gives_an_idle_arenas_free_heap_and_cyclic_garbage_back() -> None:
+    out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True,
+                         check=True).stdout.split()
+    base, kept, released = map(int, out)
+    assert kept - base > 250, f"the arena should keep what it freed (trim threshold 1 GiB): {out}"
+    assert released - base < 40, f"release_free_memory should give it back: {out}"

@@ -9,11 +9,17 @@ up part-way (a stream closed after a few chunks, or a non-streamed request given
 - every status, and any 5xx (for valid and for invalid requests separately);
 - the server's RSS over time, and its growth from the end of warm-up (first 10 % of requests)
   to the end of the load;
+- ``hostile_rounds`` rounds of hostile input after the mixed traffic (``bench/hostile.py``: 1 MB
+  prompts, 960 sequences queued and dropped, every bad body): the server's RSS once idle after
+  each round, the highest of them over the RSS before the rounds, the creep per round after the
+  first (warm-up) round, and any 5xx;
 - KV blocks still in use once the server is idle (``kv_cache_usage_perc`` x the pool);
 - p99 end-to-end latency of the first vs the last 10 % of completed requests (drift);
 - whether SIGTERM at the end drains and exits 0.
 
-Targets: no 5xx for valid requests, no leaked blocks, RSS growth < 10 %, p99 drift < 20 %.
+Targets: no 5xx for valid requests, no leaked blocks, RSS growth < 10 %, p99 drift < 20 %; over
+the hostile rounds no 5xx, idle RSS within 15 % of the RSS before them, and a creep under
+5 MiB per round after the first (at least 3 rounds).
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedllm.bench.hostile import run_rounds, summarize_rounds
 from pagedllm.bench.report import machine_info, percentiles, write_json
 from pagedllm.bench.server_process import serve_subprocess
 
-TARGETS = {"valid_5xx": 0, "leaked_blocks": 0, "rss_growth_pct": 10.0, "p99_drift_pct": 20.0}
+TARGETS = {"valid_5xx": 0, "leaked_blocks": 0, "rss_growth_pct": 10.0, "p99_drift_pct": 20.0,
+           "hostile_rss_over_before_pct": 15.0, "hostile_rss_creep_mib_per_round": 5.0}
 PROMPTS = ["def ", "import os\n", "class Node:\n    def __init__(self", "for i in range(", "return ",
            "# read the file\nwith open(", "if __name__ == ", "    def forward(self, x):\n",
            "x = [", "try:\n    ", "async def main():\n", "print(", "while True:\n    "]
@@ -265,7 +273,8 @@ def summarize(res: SoakResult, leaked: int, usage: float, drained: bool, exit_co
 
 def run_soak(model: str | None, num_requests: int, time_limit: float | None, concurrency: int,
              seed: int, disconnect_fraction: float, invalid_fraction: float, num_kv_blocks: int,
-             serve_args: list[str], output_dir: Path, rss_every: float = 2.0) -> dict[str, Any]:
+             serve_args: list[str], output_dir: Path, rss_every: float = 2.0,
+             hostile_rounds: int = 0) -> dict[str, Any]:
     output_dir.mkdir(parents=True, exist_ok=True)
     args = [*([model] if model else []), "--num-kv-blocks", str(num_kv_blocks), "--log-level",
             "warning", *serve_args]
@@ -276,6 +285,11 @@ def run_soak(model: str | None, num_requests: int, time_limit: float | None, con
         res = asyncio.run(_drive(base, proc.pid, num_requests, time_limit, concurrency, seed,
                                  disconnect_fraction, invalid_fraction, rss_every))
         wall = time.monotonic() - t0
+        hostile = None
+        if hostile_rounds:
+            before = rss_mib(proc.pid)
+            rounds = asyncio.run(run_rounds(base, hostile_rounds, lambda: rss_mib(proc.pid), INVALID))
+            hostile = summarize_rounds(rounds, before)
         usage, leaked = _idle_kv(base, num_kv_blocks)
         proc.send_signal(signal.SIGTERM)
         try:
@@ -283,11 +297,18 @@ def run_soak(model: str | None, num_requests: int, time_limit: float | None, con
         except subprocess.TimeoutExpired:
             code = None
     report = summarize(res, leaked, usage, code == 0, code, wall)
+    if hostile is not None:
+        report["hostile"] = hostile
+        over, creep = hostile["rss_idle_over_before_pct"], hostile["rss_creep_mib_per_round"]
+        report["targets"]["hostile_5xx"] = hostile["server_errors"] == 0
+        report["targets"]["hostile_rss_flat"] = (
+            over is not None and over < TARGETS["hostile_rss_over_before_pct"]
+            and creep is not None and creep < TARGETS["hostile_rss_creep_mib_per_round"])
     report["config"] = {"model": model or "default_model", "num_requests": num_requests,
                         "time_limit": time_limit, "concurrency": concurrency, "seed": seed,
                         "disconnect_fraction": disconnect_fraction,
                         "invalid_fraction": invalid_fraction, "num_kv_blocks": num_kv_blocks,
-                        "serve_args": serve_args}
+                        "serve_args": serve_args, "hostile_rounds": hostile_rounds}
     report["machine"] = machine_info()
     return report
 
@@ -311,6 +332,15 @@ def format_report(r: dict[str, Any]) -> str:
         f"{_num(r['loadavg']['last_10pct'])} ({os.cpu_count()} CPUs)",
         f"SIGTERM drain: exit code {r['drained_exit_code']}  [{ok[t['drain']]}]",
     ]
+    h = r.get("hostile")
+    if h is not None:
+        lines.append(
+            f"hostile rounds: RSS MiB idle before {_mib(h['rss_before_mib'])}, after each round "
+            + ", ".join(_mib(x["rss_idle_mib"]) for x in h["rounds"])
+            + f" (peaks {', '.join(_mib(x['rss_peak_mib']) for x in h['rounds'])}); highest "
+            f"{_pct(h['rss_idle_over_before_pct'])} over before, creep after the first round "
+            f"{_num(h['rss_creep_mib_per_round'])} MiB/round  [{ok[t['hostile_rss_flat']]}]; "
+            f"5xx {h['server_errors']}  [{ok[t['hostile_5xx']]}]")
     for e in r["failure_examples"]:
         lines.append(f"  failure: {e}")
     return "\n".join(lines)
@@ -352,6 +382,9 @@ def add_args(p: Any) -> None:
     p.add_argument("--invalid-fraction", type=float, default=0.05)
     p.add_argument("--num-kv-blocks", type=int, default=1024,
                    help="the server's KV pool (explicit, so idle blocks can be counted)")
+    p.add_argument("--hostile-rounds", type=int, default=4,
+                   help="rounds of hostile input after the traffic, RSS sampled idle after each "
+                   "(0: none)")
     p.add_argument("--serve-args", default="", help="more `pagedllm serve` flags, one string")
     p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
 
@@ -359,7 +392,7 @@ def add_args(p: Any) -> None:
 def run(a: Any) -> int:
     report = run_soak(a.model, a.num_requests, a.time_limit, a.concurrency, a.seed,
                       a.disconnect_fraction, a.invalid_fraction, a.num_kv_blocks,
-                      shlex.split(a.serve_args), a.output_dir)
+                      shlex.split(a.serve_args), a.output_dir, hostile_rounds=a.hostile_rounds)
     path = write_json(a.output_dir / "soak.json", report)
     print(format_report(report))
     print(f"wrote {path}")

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm._malloc import IdleRelease
 from pagedllm.engine import LLMEngine, PromptType
 from pagedllm.logging_utils import init_logger
 from pagedllm.outputs import RequestOutput
@@ -126,6 +127,7 @@ class AsyncEngine:
         self.dead: BaseException | None = None
         self.num_steps = 0
         self.num_aborted = 0  # requests aborted while live (client disconnects, shutdown)
+        self.idle_release = IdleRelease()  # engine-thread only
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -211,10 +213,19 @@ class AsyncEngine:
             self._fail_all(ServerShuttingDown("the server is shutting down"))
 
     def _drain(self, block: bool) -> bool:
-        """Apply queued commands (waiting for one if ``block``); False once asked to stop."""
+        """Apply queued commands (waiting for one if ``block``); False once asked to stop. A wait
+        that runs out gives the memory the last work freed back (``_malloc.IdleRelease``)."""
         new_arrivals = False
         try:
-            cmd = self._commands.get() if block else self._commands.get_nowait()
+            cmd = self._commands.get(timeout=self.idle_release.wait_s) if block else \
+                self._commands.get_nowait()
+        except queue.Empty:
+            if block and self.idle_release.idle():
+                logger.debug("idle for %.1f s: freed memory given back in %.0f ms",
+                             self.idle_release.after_s, 1e3 * self.idle_release.last_s)
+            return True
+        self.idle_release.worked()
+        try:
             while True:
                 if isinstance(cmd, _Stop):
                     return False
@@ -290,6 +301,7 @@ class AsyncEngine:
                 self.dead = e
             return
         self.num_steps += 1
+        self.idle_release.worked()
         if self.metrics is not None:
             self.metrics.on_step(self.engine.stats)
         items: list[tuple[OutputStream, RequestOutput | _Failed]] = []

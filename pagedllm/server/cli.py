@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import signal
 import socket
@@ -58,6 +59,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     kv_inspector_show_text=srv.kv_inspector_show_text,
                     tool_call_parser=srv.tool_call_parser,
                     chat_template=srv.chat_template, log_requests=srv.enable_log_requests)
+    # The model, tokenizer and modules live as long as the process: keep them out of Python's
+    # cyclic GC, so a full collection (automatic, or the idle release's, _malloc.IdleRelease)
+    # scans only what serving created: ~0 ms instead of ~500 ms for ~390,000 startup objects.
+    gc.collect()
+    gc.freeze()
     if srv.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {srv.host} without --api-key", flush=True)
     # SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to --drain-timeout,
@@ -73,5 +79,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = f"[{srv.host}]" if ":" in srv.host else srv.host
     print(f"pagedllm serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True)
     server = DrainingServer(app, srv.drain_timeout, log_level=srv.log_level)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        gc.unfreeze()  # let the interpreter's exit free them as usual
     return 0 if server.started else 3  # uvicorn's STARTUP_FAILURE

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedllm.bench.hostile import summarize_rounds
 from pagedllm.bench.soak import make_request
 from pagedllm.entrypoints.cli import main
 
@@ -24,7 +25,7 @@ def test_the_request_mix_has_its_fractions() -> None:
 @pytest.mark.slow  # a server subprocess on the shipped model
 def test_soak_runs_and_reports_its_keys(tmp_path: Path) -> None:
     code = main(["bench", "soak", "--num-requests", "60", "--concurrency", "4", "--num-kv-blocks", "256",
-                 "--output-dir", str(tmp_path)])
+                 "--hostile-rounds", "0", "--output-dir", str(tmp_path)])
     r = json.loads((tmp_path / "soak.json").read_text())
     assert r["requests"] == 60 and set(r["by_kind"]) <= {"valid", "disconnect", "invalid"}
     for key in ("statuses", "valid_5xx", "invalid_5xx", "failures", "leaked_blocks", "kv_usage_at_idle",
@@ -34,3 +35,34 @@ def test_soak_runs_and_reports_its_keys(tmp_path: Path) -> None:
     t = r["targets"]
     assert t["valid_5xx"] and t["leaked_blocks"] and t["drain"], r  # these hold at any size
     assert code == (0 if all(t.values()) else 1)
+
+
+def test_hostile_rounds_are_judged_by_level_and_creep() -> None:
+    def rounds(*idle: float) -> list[dict]:
+        return [{"rss_idle_mib": x, "statuses": {"400": 5, "hung up": 30}} for x in idle]
+
+    kept = summarize_rounds(rounds(1091, 1300, 1364), 510)  # issue 35's server, before the fix
+    assert round(kept["rss_idle_over_before_pct"]) == 167 and kept["rss_creep_mib_per_round"] == 64
+    flat = summarize_rounds(rounds(526, 553, 560, 557), 524)
+    assert round(flat["rss_idle_over_before_pct"], 1) == 6.9 and flat["rss_creep_mib_per_round"] == 2
+    assert flat["server_errors"] == 0 and summarize_rounds(rounds(1, 1), 1)["rss_creep_mib_per_round"] is None
+    assert summarize_rounds([{"rss_idle_mib": 1, "statuses": {"500": 2, "503": 1}}], 1)["server_errors"] == 3
+
+
+@pytest.mark.slow  # a server subprocess and four rounds of hostile input (~90 s on 2 busy cores)
+def test_hostile_rounds_leave_the_servers_idle_rss_flat(tmp_path: Path) -> None:
+    """Issue 35: one round of 1 MB prompts and 960 dropped sequences took a server from 510 to
+    1091 MiB at idle, and each further round added more (1300, 1364). The engine now gives its
+    freed memory back once idle: every round ends within 15 % of the RSS before the rounds, with
+    no creep after the first."""
+    main(["bench", "soak", "--num-requests", "20", "--concurrency", "4", "--num-kv-blocks", "1024",
+          "--hostile-rounds", "4", "--output-dir", str(tmp_path)])
+    r = json.loads((tmp_path / "soak.json").read_text())
+    h = r["hostile"]
+    assert len(h["rss_idle_mib"]) == 4 and h["server_errors"] == 0, h
+    statuses = Counter()
+    for rnd in h["rounds"]:
+        statuses.update(rnd["statuses"])
+        assert rnd["rss_peak_mib"] > h["rss_before_mib"] + 200, rnd  # the rounds really bit
+    assert statuses["400"] >= 4 * 14 and statuses["hung up"] >= 4 * 20, statuses
+    assert r["targets"]["hostile_rss_flat"] and r["targets"]["leaked_blocks"], h

@@ -78,3 +78,28 @@ def test_shutdown_aborts_in_flight_requests(engine: LLMEngine) -> None:
     engine.check_integrity()
     assert not engine.has_unfinished_requests()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_the_engine_loop_releases_memory_once_it_idles_never_per_step(engine: LLMEngine) -> None:
+    """The loop hands its idle spells to IdleRelease: no release while steps run, one (after the
+    last step) once a wait for work runs out, none more while it stays idle."""
+    from pagedllm._malloc import IdleRelease
+
+    async def main() -> tuple[list[int], int]:
+        ae = AsyncEngine(engine)
+        at_step: list[int] = []  # ae.num_steps at each release
+        ae.idle_release = IdleRelease(after_s=0.3, release=lambda: at_step.append(ae.num_steps))
+        ae.start()
+        for rid in ("a", "b"):
+            stream = OutputStream()
+            await ae.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True), stream)
+            async for _ in stream:
+                pass
+            await asyncio.sleep(1.2)  # four times the idle delay: still one release
+        steps = ae.num_steps
+        await ae.shutdown()
+        return at_step, steps
+
+    at_step, steps = asyncio.run(main())
+    assert steps >= 24 and len(at_step) == 2, (at_step, steps)
+    assert at_step[1] == steps and 12 <= at_step[0] <= steps - 12  # after each request's last step
