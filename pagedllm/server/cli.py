@@ -39,6 +39,7 @@ def register(subparsers: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine import LLMEngine
+    from pagedllm.engine.client import MPClient
     from pagedllm.server.api import ServerLimits, build_app
     from pagedllm.server.drain import DrainingServer
 
@@ -48,7 +49,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model_pos is not None:
         engine_args = dataclasses.replace(engine_args, model=args.model_pos)
     api_key = srv.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
-    engine = LLMEngine.from_engine_args(engine_args)
+    # The engine core runs in its own process (started with the app, pagedllm/engine/core_proc.py)
+    # unless --engine-in-process; a bad setting fails here, before any process starts.
+    config = engine_args.create_engine_config()
+    engine: LLMEngine | MPClient = (LLMEngine.from_engine_args(engine_args) if srv.engine_in_process
+                                    else MPClient(engine_args, config, srv.batch_wait_ms))
     name = srv.served_model_name
     if name is None and engine_args.model and not Path(engine_args.model).exists():
         name = engine_args.model  # a Hugging Face id: served by that name, not its cache path
@@ -61,7 +66,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if srv.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {srv.host} without --api-key", flush=True)
     # SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to --drain-timeout,
-    # then end the rest with a 503 (server/drain.py) and stop the engine. uvicorn re-raises the
+    # then end the rest with a 503 (server/drain.py) and stop the engine (the core process
+    # ignores both signals and stops when the server tells it to, or when the server is gone). uvicorn re-raises the
     # signal afterwards to the handler it found; a no-op one makes the drain exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)

@@ -1,4 +1,5 @@
-"""AsyncEngine without HTTP: the batching window and shutdown with requests in flight."""
+"""The in-process EngineClient without HTTP: the batching window and shutdown with requests in
+flight."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from pagedllm.engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.server.async_engine import AsyncEngine, OutputStream, RequestAborted
+from pagedllm.engine.client import InProcessClient, OutputStream, ServerShuttingDown
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +40,8 @@ def test_batch_window_lets_a_late_arrival_join_the_first_step(chat_model: Path) 
     engine.step = step  # type: ignore[method-assign]
 
     async def main() -> None:
-        ae = AsyncEngine(engine, batch_wait_ms=60_000)
-        ae.start()
+        ae = InProcessClient(engine, batch_wait_ms=60_000)
+        await ae.start()
         sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
         streams = {rid: OutputStream() for rid in ("a", "b")}
         await ae.add_request("a", [5, 6, 7], sp, streams["a"])
@@ -61,8 +62,8 @@ def test_batch_window_lets_a_late_arrival_join_the_first_step(chat_model: Path) 
 
 def test_shutdown_aborts_in_flight_requests(engine: LLMEngine) -> None:
     async def main() -> None:
-        ae = AsyncEngine(engine)
-        ae.start()
+        ae = InProcessClient(engine)
+        await ae.start()
         stream = OutputStream()
         await ae.add_request("long", [5, 6], SamplingParams(max_tokens=120, ignore_eos=True), stream)
         with pytest.raises(ValueError, match="empty"):
@@ -70,7 +71,7 @@ def test_shutdown_aborts_in_flight_requests(engine: LLMEngine) -> None:
         it = stream.__aiter__()
         await it.__anext__()
         await ae.shutdown()
-        with pytest.raises(RequestAborted):
+        with pytest.raises(ServerShuttingDown):
             while True:
                 await it.__anext__()
 
