@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from pagedllm.engine import LLMEngine
-from pagedllm.sampling_params import SamplingParams
 from pagedllm.engine.client import InProcessClient, OutputStream, ServerShuttingDown
+from pagedllm.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
