@@ -41,7 +41,12 @@ async def _collect(client: MPClient, rid: str, prompt: list[int], sp: SamplingPa
     return ids, text, lps
 
 
-def test_core_process_matches_in_process_and_frees_everything(chat_model: Path) -> None:
+def test_core_process_matches_in_process_then_dies_loudly(chat_model: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Greedy outputs and logprobs as in-process; refusals, aborts and utility calls; then
+    SIGKILL of the core with 8 requests streaming: ``is_running`` (health) is False within 5 s,
+    every stream ends with an EngineError naming the signal within 10 s, new requests are
+    refused at once, and the log names the cause."""
     args = EngineArgs.from_kwargs(dict(model=str(chat_model), **SETTINGS), "test")
     ref = LLMEngine.from_engine_args(args)
     acc: dict[str, RequestOutput] = {}
@@ -96,23 +101,6 @@ def test_core_process_matches_in_process_and_frees_everything(chat_model: Path) 
             assert snap["requests"] == [] and snap["kv_stats"]["num_blocks"] == 256
             with pytest.raises(ValueError, match="unknown utility call"):
                 await client.utility("no_such_call")
-        finally:
-            await client.shutdown()
-        assert client.proc is not None and client.proc.exitcode == 0
-
-    asyncio.run(main())
-
-
-def test_sigkilled_core_fails_every_stream_fast(chat_model: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """SIGKILL the core with 8 requests streaming: is_running (health) is False within 5 s,
-    every stream ends with an EngineError naming the signal within 10 s, and new requests are
-    refused at once."""
-    args = EngineArgs.from_kwargs(dict(model=str(chat_model), **SETTINGS), "test")
-
-    async def main() -> None:
-        client = MPClient(args)
-        await client.start()
-        try:
             streams = []
             for i in range(8):
                 s = OutputStream()
