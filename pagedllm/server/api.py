@@ -29,7 +29,8 @@ from starlette.requests import ClientDisconnect
 from pagedllm import __version__
 from pagedllm.chat import check_chat_template_kwargs, load_chat_template
 from pagedllm.engine import LLMEngine
-from pagedllm.engine.client import EngineClient, InProcessClient
+from pagedllm.engine.client import EngineClient
+from pagedllm.engine.client_inproc import InProcessClient
 from pagedllm.logging_utils import init_logger
 from pagedllm.server.fields import check_extras, structured_outputs
 from pagedllm.server.inspector import KVInspector

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from pagedllm.engine import LLMEngine
-from pagedllm.engine.client import InProcessClient, OutputStream, ServerShuttingDown
+from pagedllm.engine.client import OutputStream, ServerShuttingDown
+from pagedllm.engine.client_inproc import InProcessClient
 from pagedllm.sampling_params import SamplingParams
 
 

@@ -15,7 +15,8 @@ import pytest
 
 from pagedllm.args import EngineArgs
 from pagedllm.engine import LLMEngine
-from pagedllm.engine.client import EngineError, MPClient, OutputStream, RequestAborted
+from pagedllm.engine.client import EngineError, OutputStream, RequestAborted
+from pagedllm.engine.client_mp import MPClient
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
