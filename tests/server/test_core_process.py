@@ -79,7 +79,12 @@ def test_core_process_matches_in_process_then_dies_loudly(chat_model: Path,
                 w_ids, w_text, w_lps = want[f"r{i}"]
                 assert ids == w_ids and text == w_text
                 assert [{t: (lp.logprob, lp.rank) for t, lp in pos.items()} for pos in lps] == w_lps
-            assert client.stats.num_generation_tokens >= 0 and client.stats.kv.total == 256
+            assert client.stats.kv.total == 256
+            # the same prompt again: its 2 full blocks (8 of 9 tokens) come from the prefix cache
+            stream = OutputStream()
+            await client.add_request("again", {"prompt_token_ids": PROMPTS[2]}, _greedy(2), stream)
+            cached = [out.metrics.num_cached_tokens async for out in stream if out.metrics]
+            assert cached[-1] == 8, cached
             # a refusal crosses back as the engine's ValueError, nothing held
             with pytest.raises(ValueError, match="max_model_len"):
                 await client.add_request("big", {"prompt_token_ids": [5] * 200}, _greedy(4),
