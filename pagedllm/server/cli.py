@@ -40,6 +40,7 @@ def register(subparsers: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine import LLMEngine
     from pagedllm.engine.client_mp import MPClient
+    from pagedllm.engine.core_proc import freeze_startup_heap
     from pagedllm.server.api import ServerLimits, build_app
     from pagedllm.server.drain import DrainingServer
 
@@ -79,5 +80,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = f"[{srv.host}]" if ":" in srv.host else srv.host
     print(f"pagedllm serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True)
     server = DrainingServer(app, srv.drain_timeout, log_level=srv.log_level)
+    freeze_startup_heap()  # the app, the tokenizer, the modules: never walked by a collection
     server.run(sockets=[sock])
     return 0 if server.started else 3  # uvicorn's STARTUP_FAILURE
