@@ -40,7 +40,7 @@ def register(subparsers: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine import LLMEngine
     from pagedllm.engine.client_mp import MPClient
-    from pagedllm.engine.core_proc import freeze_startup_heap
+    from pagedllm.engine.heap import freeze_startup_heap
     from pagedllm.server.api import ServerLimits, build_app
     from pagedllm.server.drain import DrainingServer
 
