@@ -43,7 +43,7 @@ def test_sigkill_of_the_core_under_load(chat_model: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with serve_subprocess([str(chat_model), *ARGS], log=log, env=env) as (proc, base):
         core = _core_pid(proc.pid)
-        ends: list[tuple[str, float]] = []
+        ends: list[str] = []
         first = threading.Semaphore(0)
 
         def stream() -> None:
@@ -56,11 +56,11 @@ def test_sigkill_of_the_core_under_load(chat_model: Path) -> None:
                                 first.release()
                             events.append(line)
             except httpx.TransportError as e:
-                ends.append((f"cut: {e!r}", time.monotonic()))
+                ends.append(f"cut: {e!r}")
                 return
             last = json.loads(events[-2][len("data: "):]) if len(events) >= 2 else {}
             kind = "error event" if "error" in last and events[-1] == "data: [DONE]" else f"other: {events[-2:]}"
-            ends.append((kind, time.monotonic()))
+            ends.append(kind)
 
         threads = [threading.Thread(target=stream, daemon=True) for _ in range(16)]
         for t in threads:
@@ -68,15 +68,14 @@ def test_sigkill_of_the_core_under_load(chat_model: Path) -> None:
         for _ in threads:  # every stream is running
             assert first.acquire(timeout=60)
         os.kill(core, signal.SIGKILL)
-        killed = time.monotonic()
+        health_by, streams_by = time.monotonic() + 5, time.monotonic() + 10
         while httpx.get(base + "/health", timeout=5).status_code == 200:
-            assert time.monotonic() - killed < 5, "/health still 200 5 s after the core died"
+            assert time.monotonic() < health_by, "/health still 200 5 s after the core died"
             time.sleep(0.05)
         for t in threads:
-            t.join(max(0.0, killed + 10 - time.monotonic()))
+            t.join(max(0.0, streams_by - time.monotonic()))
         assert len(ends) == 16, f"{16 - len(ends)} streams still open 10 s after the core died"
-        assert all(kind == "error event" for kind, _ in ends), ends
-        assert max(at for _, at in ends) - killed < 10
+        assert all(kind == "error event" for kind in ends), ends
         # new requests are refused at once, not queued forever
         r = httpx.post(base + "/v1/completions", json={**BODY, "stream": False}, timeout=10)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"

@@ -130,9 +130,9 @@ def test_core_process_matches_in_process_then_dies_loudly(chat_model: Path,
             tasks = [asyncio.ensure_future(drain(it)) for it in its]
             assert client.proc is not None
             os.kill(client.proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
-            t0 = time.monotonic()
+            health_by = time.monotonic() + 5
             while client.is_running:
-                assert time.monotonic() - t0 < 5, "health still up 5 s after the core died"
+                assert time.monotonic() < health_by, "health still up 5 s after the core died"
                 await asyncio.sleep(0.05)
             errors = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
             assert all(isinstance(e, EngineError) and "SIGKILL" in str(e) for e in errors), errors
