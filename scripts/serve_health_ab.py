@@ -40,6 +40,7 @@ def run_once(tree: str, num_prompts: int, seed: int) -> dict[str, Any]:
     from pagedllm.bench.server_process import serve_subprocess
 
     env = {**os.environ, "PYTHONPATH": tree, "PAGEDLLM_LOG_LEVEL": "WARNING"}
+    os.chdir(tree)  # `python -m` puts the working directory first on sys.path, before PYTHONPATH
     with serve_subprocess(["--max-num-seqs", "64", "--log-level", "warning"], env=env,
                           timeout=300) as (proc, base):
         cores = [p for p in child_pids(proc.pid)
