@@ -113,6 +113,10 @@ class EngineArgs:
     kv_trace_path: str | None = setting(
         _C.kv_trace_path, "write the KV allocation event trace (JSONL, replayable) to this file",
         "--kv-trace", group=MEMORY, metavar="FILE")
+    kv_events_endpoint: str | None = setting(
+        _C.kv_events_endpoint, "publish the KV cache events (stored / removed / cleared, one "
+        "msgpack batch per step) on a ZMQ PUB socket bound here, e.g. tcp://127.0.0.1:5557",
+        group=MEMORY, metavar="ENDPOINT")
     free_window_blocks: bool = setting(
         _C.free_window_blocks, "sliding-window models: return KV blocks that leave the window to "
         "the pool (off: keep every block, as a full-attention model does)", group=MEMORY)
@@ -186,6 +190,7 @@ class EngineArgs:
                 k_cache_dtype=self._kv_dtype("k_cache_dtype", self.k_cache_dtype),
                 v_cache_dtype=self._kv_dtype("v_cache_dtype", self.v_cache_dtype),
                 kv_trace_path=self.kv_trace_path,
+                kv_events_endpoint=self.kv_events_endpoint,
                 free_window_blocks=self.free_window_blocks,
             ),
             scheduler=SchedulerConfig(

@@ -37,9 +37,12 @@ def check_chat_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], *,
                 add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
                 chat_template: str | None = None,
-                chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                chat_template_kwargs: dict[str, Any] | None = None,
+                add_special_tokens: bool = False) -> list[int]:
     """The prompt's token ids. ``ValueError`` names what is wrong (no template, a reserved
-    ``chat_template_kwargs`` key, a template that rejects the messages)."""
+    ``chat_template_kwargs`` key, a template that rejects the messages).
+    ``add_special_tokens``: the tokenizer's own (BOS, ...) around the rendered text as well; off
+    by default, as the template writes them (vLLM's default for chat)."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("this model's tokenizer has no chat_template; pass chat_template "
@@ -51,4 +54,4 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any
             add_generation_prompt=add_generation_prompt, **extra)
     except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception) are bad input
         raise ValueError(f"the chat template rejected these messages: {e}") from None
-    return list(tokenizer.encode(cast(str, text), add_special_tokens=False))
+    return list(tokenizer.encode(cast(str, text), add_special_tokens=add_special_tokens))

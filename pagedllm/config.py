@@ -223,6 +223,9 @@ class CacheConfig:
     v_cache_dtype: str = "auto"
     # Allocation event trace (pagedllm.kv.trace): a JSONL file written while the engine runs.
     kv_trace_path: str | None = None
+    # Publish the KV events (kv/events.py) per step on a ZMQ PUB socket bound here
+    # (kv/publisher.py).
+    kv_events_endpoint: str | None = None
     # Sliding-window models: free the blocks that leave every layer's window (kv/window.py).
     free_window_blocks: bool = True
 

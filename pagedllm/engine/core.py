@@ -22,6 +22,7 @@ from pagedllm.executor import Executor, make_executor
 from pagedllm.generation_config import load_generation_defaults
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.kv.plan import plan_kv_pool
+from pagedllm.kv.publisher import ZmqEventPublisher
 from pagedllm.logging_utils import init_logger
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import RequestStatus
@@ -68,6 +69,10 @@ class LLMEngine:
             tracer = KVTracer(config.cache.kv_trace_path, clock=lambda: sched.num_steps)
             attach(self.kv, tracer)
             self._closing.callback(tracer.close)
+        self.kv_publisher = None  # --kv-events-endpoint: the step batches over ZMQ
+        if config.cache.kv_events_endpoint is not None:
+            self.kv_publisher = ZmqEventPublisher(self.kv.events, config.cache.kv_events_endpoint)
+            self._closing.callback(self.kv_publisher.close)
         executor.init_kv_cache(start)
         self.executor: Executor = executor
         self.input = InputProcessor(config, self.tokenizer, self.eos_token_ids)

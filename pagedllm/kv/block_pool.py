@@ -15,12 +15,26 @@ Every block is in exactly one of two states::
 The queue is intrusive (links live on the blocks) so that reviving a cached block from the
 middle of the queue is O(1); ``collections.deque.remove`` would be O(n) on the hot path.
 The pool knows nothing about requests; ``KVCacheManager`` owns the per-request tables.
+Changes of the hash index are published on ``events`` (kv/events.py: stored, removed, cleared).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import NamedTuple
+
+from pagedllm.kv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Compacted,
+    Grown,
+    KVEventBus,
+    Shrunk,
+    hash_hex,
+)
+
+__all__ = ["BlockHash", "BlockPool", "FreeBlockQueue", "KVBlock", "hash_hex"]
 
 
 class BlockHash(NamedTuple):
@@ -34,11 +48,6 @@ class BlockHash(NamedTuple):
     parent: int | None  # value of the previous block's hash; None for the first block
     token_ids: tuple[int, ...]
     extra_keys: tuple | None
-
-
-def hash_hex(value: int) -> str:
-    """A ``BlockHash.value`` as 32 hex digits (how the KV trace writes it)."""
-    return f"{value:032x}"
 
 
 class KVBlock:
@@ -137,7 +146,7 @@ class BlockPool:
     Initially every block is free, queued in id order, so a fresh pool hands out 0, 1, 2, ...
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventBus | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -146,7 +155,7 @@ class BlockPool:
         # kept as counts change (the per-step stats read them; check_integrity recounts them)
         self.num_cached_free_blocks = 0  # free blocks still holding a cached hash
         self.num_shared_blocks = 0  # blocks with more than one reference
-        self.on_evict: Callable[[KVBlock], None] | None = None  # the KV trace's hook
+        self.events = KVEventBus() if events is None else events  # index changes, published
 
     @property
     def num_blocks(self) -> int:
@@ -225,13 +234,19 @@ class BlockPool:
         block.block_hash = block_hash
         block.num_hits = 0
         self.cached[block_hash.value] = block
+        if self.events.active:
+            parent = block_hash.parent
+            self.events.publish(BlockStored(
+                [hash_hex(block_hash.value)], None if parent is None else hash_hex(parent),
+                list(block_hash.token_ids), len(block_hash.token_ids), None, [block.block_id]))
         return True
 
     def _evict(self, block: KVBlock) -> None:
         """Drop the cached hash of a free block."""
         if block.block_hash is not None:
-            if self.on_evict is not None:
-                self.on_evict(block)
+            if self.events.active:
+                self.events.publish(BlockRemoved([hash_hex(block.block_hash.value)],
+                                                 [block.block_id]))
             del self.cached[block.block_hash.value]
             block.block_hash = None
             block.num_hits = 0
@@ -246,6 +261,8 @@ class BlockPool:
             block.num_hits = 0
         self.cached.clear()
         self.num_cached_free_blocks = 0
+        if self.events.active:
+            self.events.publish(AllBlocksCleared())
         return True
 
     # -- size and layout ----------------------------------------------------------------------
@@ -256,18 +273,22 @@ class BlockPool:
         self.blocks.extend(new)
         for b in reversed(new):
             self.free_queue.appendleft(b)
+        if self.events.ops:
+            self.events.publish(Grown(n))
 
     def shrink(self, n: int) -> bool:
         """Drop blocks ``n`` .. end if all are free (``compact`` first); False (no change)
         otherwise. Cached hashes of dropped blocks are evicted."""
         tail = self.blocks[n:]
-        if n < 1 or any(b.ref_cnt > 0 for b in tail):
-            return False
-        for b in tail:
-            self.free_queue.remove(b)
-            self._evict(b)
-        del self.blocks[n:]
-        return True
+        ok = n >= 1 and all(b.ref_cnt == 0 for b in tail)
+        if ok:
+            for b in tail:
+                self.free_queue.remove(b)
+                self._evict(b)
+            del self.blocks[n:]
+        if self.events.ops:
+            self.events.publish(Shrunk(n, ok))
+        return ok
 
     def fragmentation(self) -> int:
         """Referenced blocks at ids >= num_used_blocks (what ``compact`` would move)."""
@@ -300,6 +321,8 @@ class BlockPool:
                 self.cached[dst.block_hash.value] = dst
             self.free_queue.append(src)
             remap[src.block_id] = dst
+        if self.events.ops:
+            self.events.publish(Compacted([[s, d.block_id] for s, d in remap.items()]))
         return remap
 
     # -- invariants ---------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """A picture of the KV manager's state as plain JSON-able data: the inspector page's block map,
 block tables, host tier and prefix-cache tree (live from the server, or per step of a replayed
 allocation trace). Pure Python; reads the manager's and the pool's state, never changes it
-(the held block tables straight from ``kv._tables``, as ``check_integrity`` does).
+(the held block tables straight from ``kv.tables.held``, as ``check_integrity`` does).
 
 One character per device block (``BLOCK_STATES``), in block id order::
 
@@ -64,7 +64,7 @@ def capture_kv(kv: KVCacheManager) -> dict[str, Any]:
         "blocks": "".join(chars),
         "refs": refs,
         "host": "".join(host),
-        "tables": {rid: [b.block_id for b in t] for rid, t in kv._tables.items()},  # held blocks
+        "tables": {rid: [b.block_id for b in t] for rid, t in kv.tables.held.items()},  # held
         "host_tables": host_tables,
         "prefix": prefix,
     }

@@ -1,10 +1,9 @@
 """The allocation event trace: what the KV manager did, one JSON object per line, and its replay.
 
-Tracing is off by default and then not there at all: ``attach`` wraps the manager's public
-mutating calls (each once, on that one instance) with recorders that call through and emit what
-the call did; a manager without a trace runs its plain methods. On (``LLM(kv_trace_path=FILE)``,
-``--kv-trace FILE``), every manager-level operation is written as an *op* event, preceded by the
-*effect* events it caused::
+Tracing is off by default and then costs nothing (the manager builds no event while nobody
+listens). On (``LLM(kv_trace_path=FILE)``, ``--kv-trace FILE``), ``attach`` subscribes a
+``KVTracer`` to the manager's events (kv/events.py), and every manager-level operation is
+written as an *op* event, preceded by the *effect* events it caused::
 
     {"op": "init", "step": 0, "num_blocks": 64, "block_size": 4, ...}          the fresh pool
     {"op": "evict", "step": 3, "block": 7, "hash": "c1.."}                      effects ...
@@ -17,8 +16,8 @@ needed to recompute them), free_window (blocks freed behind a sliding window), f
 take_copies, swap_out, swap_in, compact, grow, shrink, reset_prefix_cache, rollback
 (speculative decoding's rejected tail). Block lists are by position; ``null`` marks a
 position freed behind the sliding window. Effects (checked, not executed): evict (the pool's
-``on_evict`` hook), prefix_hit, cow_copy. ``step`` is the scheduler's step count (the
-tracer's ``clock``).
+``BlockRemoved``, a line per block), prefix_hit, cow_copy. ``step`` is the scheduler's step
+count (the tracer's ``clock``).
 
 ``replay(path)`` builds a fresh ``KVCacheManager`` from the init line (pure Python, no torch),
 re-executes every op with a tracer of its own attached, and requires that the events it emits
@@ -29,13 +28,14 @@ recorded ones, and that ``check_integrity()`` holds after each op. A mismatch ra
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from pagedllm.kv.block_pool import KVBlock, hash_hex
+import msgspec
+
+from pagedllm.kv.events import BlockRemoved, KVEvent, KVOpEvent
 from pagedllm.kv.manager import KVCacheManager, PrefixHit
 from pagedllm.kv.timeline import TimelineRecorder, write_page
 
@@ -47,7 +47,8 @@ EFFECTS = frozenset({"prefix_hit", "cow_copy", "evict"})
 class KVTracer:
     """Collects events: to a JSONL file (line-buffered, so a reader sees whole lines while the
     engine runs) or, with ``path=None``, to ``self.events`` in memory. Each event is stamped
-    with ``clock()`` (the engine passes the scheduler's step count), else with ``self.step``."""
+    with ``clock()`` (the engine passes the scheduler's step count), else with ``self.step``.
+    A subscriber of the manager's op events (``attach``); its lines are those events as dicts."""
 
     def __init__(self, path: str | Path | None = None,
                  clock: Callable[[], int] | None = None) -> None:
@@ -55,6 +56,7 @@ class KVTracer:
         self.clock = clock
         self.events: list[dict[str, Any]] = []
         self._file: IO[str] | None = None
+        self._unsubscribe: Callable[[], None] | None = None
         if path is not None:
             self._file = open(path, "w", buffering=1)  # noqa: SIM115 - closed by close()
 
@@ -65,158 +67,36 @@ class KVTracer:
         else:
             self._file.write(json.dumps(event, separators=(",", ":")) + "\n")
 
-    def on_evict(self, block: KVBlock) -> None:
-        assert block.block_hash is not None
-        self.emit("evict", block=block.block_id, hash=hash_hex(block.block_hash.value))
+    def __call__(self, event: KVEvent) -> None:
+        """The listener: an op event is one line (its tag is the op, its fields the keys); an
+        eviction one ``evict`` line per block. Stored / cleared are implied by the ops."""
+        if isinstance(event, KVOpEvent):
+            fields = msgspec.to_builtins(event)
+            self.emit(fields.pop("op"), **fields)
+        elif isinstance(event, BlockRemoved):
+            for block, h in zip(event.block_ids, event.block_hashes):
+                self.emit("evict", block=block, hash=h)
 
     def close(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
         if self._file is not None:
             self._file.close()
             self._file = None
 
 
-def _positions(kv: KVCacheManager, request_id: str) -> list[int | None]:
-    """The request's table by position, None where a block was freed behind the window."""
-    return [None] * kv.num_skipped_blocks(request_id) + kv.held_blocks(request_id)
-
-
-# -- recorders: (manager, tracer, the plain method, *its arguments) -> its result ----------------
-def _allocate(kv: KVCacheManager, t: KVTracer, call: Callable[..., bool], request_id: str,
-              num_total_tokens: int, prefix: PrefixHit | None = None) -> bool:
-    had = kv.has_request(request_id)
-    hit = list(prefix.blocks) if prefix is not None else []
-    skipped = prefix.num_skipped if prefix is not None and hit else 0
-    start = len(_positions(kv, request_id)) if had else skipped + len(hit)
-    copies = len(kv.cow.pending)
-    ok = call(request_id, num_total_tokens, prefix)
-    if ok and not had and hit:
-        hashes = [kv.pool.blocks[i].block_hash for i in hit]
-        t.emit("prefix_hit", rid=request_id, blocks=hit,
-               hashes=[hash_hex(h.value) for h in hashes if h is not None])
-    for src, dst in kv.cow.pending[copies:]:
-        t.emit("cow_copy", rid=request_id, src=src, dst=dst)
-    t.emit("allocate", rid=request_id, num_tokens=num_total_tokens, prefix=hit, ok=ok,
-           new=_positions(kv, request_id)[start:] if ok else [],
-           **({"skipped": skipped} if skipped else {}))
-    return ok
-
-
-def _cache(kv: KVCacheManager, t: KVTracer, call: Callable[..., None], request_id: str,
-           token_ids: Sequence[int], num_computed_tokens: int,
-           extra_keys: tuple | None = None) -> None:
-    start = len(kv.block_hashes(request_id))
-    call(request_id, token_ids, num_computed_tokens, extra_keys)
-    if not kv.has_request(request_id):
-        return
-    hashes = kv.block_hashes(request_id)
-    if len(hashes) > start:
-        bs = kv.block_size
-        t.emit("cache", rid=request_id, start=start,
-               tokens=list(token_ids[start * bs:len(hashes) * bs]),
-               blocks=_positions(kv, request_id)[start:len(hashes)],
-               hashes=[hash_hex(h.value) for h in hashes[start:] if h is not None],
-               **({} if extra_keys is None else {"extra_keys": list(extra_keys)}))
-
-
-def _free_window(kv: KVCacheManager, t: KVTracer, call: Callable[..., int], request_id: str,
-                 num_computed_tokens: int) -> int:
-    before = kv.held_blocks(request_id) if kv.has_request(request_id) else []
-    n = call(request_id, num_computed_tokens)
-    if n:
-        t.emit("free_window", rid=request_id, num_computed=num_computed_tokens, blocks=before[:n])
-    return n
-
-
-def _free(kv: KVCacheManager, t: KVTracer, call: Callable[..., None], request_id: str) -> None:
-    held, swapped = kv.has_request(request_id), kv.is_swapped(request_id)
-    if held or swapped:
-        t.emit("free", rid=request_id, blocks=_positions(kv, request_id) if held else [],
-               swapped=swapped)
-    call(request_id)
-
-
-def _fork(kv: KVCacheManager, t: KVTracer, call: Callable[..., None], parent_id: str,
-          child_id: str, num_tokens: int) -> None:
-    call(parent_id, child_id, num_tokens)
-    t.emit("fork", parent=parent_id, child=child_id, num_tokens=num_tokens,
-           blocks=_positions(kv, child_id))
-
-
-def _take_copies(kv: KVCacheManager, t: KVTracer,
-                 call: Callable[[], list[tuple[int, int]]]) -> list[tuple[int, int]]:
-    copies = call()
-    if copies:
-        t.emit("take_copies", copies=[list(c) for c in copies])
-    return copies
-
-
-def _pairs(op: str) -> Callable[..., list[tuple[int, int]] | None]:
-    """Recorder of swap_out / swap_in: the pairs planned, or None when refused."""
-    def record(kv: KVCacheManager, t: KVTracer, call: Callable[[str], Any],
-               request_id: str) -> list[tuple[int, int]] | None:
-        pairs = call(request_id)
-        t.emit(op, rid=request_id, pairs=None if pairs is None else [list(p) for p in pairs])
-        return pairs  # type: ignore[no-any-return]
-    return record
-
-
-def _compact(kv: KVCacheManager, t: KVTracer,
-             call: Callable[[], list[tuple[int, int]]]) -> list[tuple[int, int]]:
-    moves = call()
-    t.emit("compact", moves=[list(m) for m in moves])
-    return moves
-
-
-def _grow(kv: KVCacheManager, t: KVTracer, call: Callable[[int], None], n: int) -> None:
-    call(n)
-    t.emit("grow", n=n)
-
-
-def _shrink(kv: KVCacheManager, t: KVTracer, call: Callable[[int], bool], n: int) -> bool:
-    ok = call(n)
-    t.emit("shrink", n=n, ok=ok)
-    return ok
-
-
-def _rollback(kv: KVCacheManager, t: KVTracer, call: Callable[[str, int], list[int]],
-              request_id: str, num_tokens: int) -> list[int]:
-    freed = call(request_id, num_tokens)
-    if freed:
-        t.emit("rollback", rid=request_id, num_tokens=num_tokens, blocks=freed)
-    return freed
-
-
-def _reset(kv: KVCacheManager, t: KVTracer, call: Callable[[], bool]) -> bool:
-    ok = call()
-    t.emit("reset_prefix_cache", ok=ok)
-    return ok
-
-
-RECORDERS: dict[str, Callable[..., Any]] = {
-    "allocate_slots": _allocate, "cache_blocks": _cache, "free_outside_window": _free_window,
-    "free": _free, "fork": _fork,
-    "take_block_copies": _take_copies, "swap_out": _pairs("swap_out"),
-    "swap_in": _pairs("swap_in"), "compact": _compact, "grow": _grow, "shrink": _shrink,
-    "reset_prefix_cache": _reset, "rollback": _rollback,
-}
-
-
 def attach(kv: KVCacheManager, tracer: KVTracer) -> None:
     """Start tracing ``kv`` (which must hold no blocks yet: replay starts from a fresh pool):
-    each public mutating call of this instance is replaced by its recorder around the plain
-    method, and the pool reports evictions."""
+    write the init line, then subscribe ``tracer`` to the manager's events, ops included
+    (``tracer.close()`` unsubscribes)."""
     if kv.num_requests or kv.pool.num_cached_blocks:
         raise ValueError("attach a KV trace to a fresh manager (no requests, nothing cached)")
-    if kv.tracer is not None:
-        raise ValueError("this KV manager is traced already")
     window = {} if kv.sliding_window is None else {"sliding_window": kv.sliding_window}
     tracer.emit("init", num_blocks=kv.num_blocks, block_size=kv.block_size,
                 enable_prefix_caching=kv.enable_prefix_caching,
                 num_host_blocks=kv.host.num_blocks, **window)
-    for name, record in RECORDERS.items():
-        setattr(kv, name, functools.partial(record, kv, tracer, getattr(kv, name)))
-    kv.tracer = tracer
-    kv.pool.on_evict = tracer.on_evict
+    tracer._unsubscribe = kv.events.subscribe(tracer, ops=True)
 
 
 class TraceMismatch(AssertionError):

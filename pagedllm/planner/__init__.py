@@ -3,6 +3,7 @@
     replay.py     the replay loop: sched/ + kv/ exactly as the engine builds them, stand-in tokens
     cost.py       the step-cost model (a step's StepStats record -> seconds) and its fit
     profile.py    a fitted model and the setup it was measured on, as JSON
+    grid.py       the calibration grid, sized to the pool and budget; the refusal naming the flag
     calibrate.py  times real engine steps over a grid (imports the engine: the one torch user)
     plan.py       one answer: settings x arrivals -> summary; the pool-sizing lines
     sweep.py      combinations of settings, SLOs, the largest request rate meeting one

@@ -5,15 +5,9 @@ the record it emits (``engine.stats``, ``StepStats``). Every timed unit is a who
 ``engine.step()``, so the profile prices what a replayed step stands for: scheduling, batch
 building, the forward, sampling, output processing and memory upkeep.
 
-The grid, for decode batches of B requests at context C, mixed with a prefill of P tokens::
-
-    B = 0                 P in 4, 16, 32, ... up to the token budget, in prompts as long as
-                          max_model_len allows; P >= 256 also in 32-token prompts (pure prefill:
-                          the same tokens with less attention, which tells the two apart)
-    B = 0, C cached       P in 64, 512 after a prefix hit of C tokens         (chunked prefill)
-    B in 1, 2, 4, .. 256  C in 64, 256, 512 (or max_model_len - 64), P = 0      (pure decode)
-    B in 4, 16, 64        C = 256, P in 16, 128, 512                          (mixed steps)
-    B in 4, 16, 64        C = 256 shared by all, + 16 tokens each, P = 0      (shared prefix)
+The grid (``grid.py``) is sized to what the pool, the token budget, max_model_len and
+max_num_seqs let run together; a cell that still does not run as planned (a prefill left
+waiting, a preemption) is dropped and reported.
 
 Each cell runs ``reps`` times (more when fast) and keeps the mean without the slowest run (the
 machine may be shared and interference only adds time; a replay sums steps, so the mean, not the
@@ -21,6 +15,14 @@ median, is what it needs); the steps that prefill the
 decode batches are kept as samples too (multi-request prefill chunks, the first steps of any
 offline workload). The fit then drops samples more than ``TRIM`` times slower than the first
 fit predicts, and refits.
+
+Before fitting, every term of the cost model must be pinned by the steps that ran
+(``cost.unpinned_terms``), or calibrate refuses with the flag to change (``grid.refusal``):
+a fit with a free term nothing measured would fit the samples and predict nonsense. Terms the
+settings hold constant are fixed instead (one request per step: ``per_seq_s`` is 0, the dense
+part carries it; no prefix caching: shared context costs what private context does). The fit's
+quality is measured on steps it did not see: each kept sample predicted by the fit of all the
+others (leave-one-out), printed and stored in the profile.
 
 Re-running calibration is all that is needed when the engine gets faster: nothing here assumes
 how the step time splits between its parts.
@@ -41,10 +43,13 @@ from pagedllm.planner.cost import (
     StepCostModel,
     default_knots,
     fit,
+    holdout_errors,
     quantile,
     relative_errors,
     step_features,
+    unpinned_terms,
 )
+from pagedllm.planner.grid import Grid, Settings, plan_grid, refusal
 from pagedllm.planner.profile import Profile, describe_config, machine
 
 logger = logging.getLogger(__name__)
@@ -58,15 +63,19 @@ CLOCKS = {
     "cpu": time.process_time,
 }
 TRIM = 1.5  # a sample taking > (1 + TRIM) x the first fit's prediction is interference
-SETUP_TOKEN_CAP = 32768  # at most this many context tokens per decode batch (B x C)
+
+
+class CalibrationError(ValueError):
+    """The grid these settings allow cannot pin the cost model (the message names the flag)."""
 
 
 def calibrate(args: EngineArgs, reps: int = 3, max_seconds: float = 300.0,
               threads: int | None = None, clock: str = "wall",
               log: Callable[[str], None] = print) -> Profile:
     """Time the grid on the engine ``args`` describe and fit; stops adding cells after
-    ``max_seconds`` on ``clock`` (see ``CLOCKS``; the fit uses what was measured): CPU seconds
-    on a shared machine, where a wall-clock budget ends the grid early."""
+    ``max_seconds`` on ``clock`` (see ``CLOCKS``): CPU seconds on a shared machine, where a
+    wall-clock budget ends the grid early. Raises ``CalibrationError`` if the steps that ran do
+    not pin every term of the model."""
     import torch
 
     from pagedllm.engine import LLMEngine
@@ -77,63 +86,105 @@ def calibrate(args: EngineArgs, reps: int = 3, max_seconds: float = 300.0,
 
     t_start = time.perf_counter()
     engine = LLMEngine.from_engine_args(args)
-    cfg = engine.config
-    run = _Runner(engine, cfg.model.vocab_size, read)
-    budget = cfg.scheduler.max_num_batched_tokens
-    max_len = cfg.scheduler.max_model_len
-    max_seqs = cfg.scheduler.max_num_seqs
-    run.prefill(min(64, max_len - 2))  # warm-up: first-call allocations, kernel selection
+    try:
+        cfg = engine.config
+        settings = Settings.of(cfg, engine.kv.max_num_blocks)
+        grid = plan_grid(settings)
+        log(f"grid: {grid.describe()}")
+        run = _Runner(engine, cfg.model.vocab_size, read, reps)
+        run.prefill(min(64, settings.max_len - 2))  # warm-up: first-call allocations, kernels
+        stopped = _run_grid(run, grid, read() + max_seconds, max_seconds, t_start, log)
+    finally:
+        engine.shutdown()
+    if run.dropped:
+        log(f"{len(run.dropped)} cell(s) did not run as planned and were dropped: "
+            + "; ".join(run.dropped))
+    profile = fit_profile(run.samples, settings, grid, stopped)
+    f = profile.fit
+    profile.made_on.update({
+        **describe_config(cfg), **settings.facts(), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(), "clock": clock, **machine(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "calibration_s": round(time.perf_counter() - t_start, 1)})
+    f["num_dropped_cells"] = len(run.dropped)
+    try:
+        with open("/proc/loadavg") as fh:
+            profile.made_on["loadavg"] = fh.read().split()[:3]
+    except OSError:
+        pass
+    return profile
 
-    groups = _grid(budget, max_len, max_seqs, cfg.cache.enable_prefix_caching,
-                   engine.kv.num_blocks * engine.kv.block_size)
-    deadline = read() + max_seconds
+
+def _run_grid(run: _Runner, grid: Grid, deadline: float, max_seconds: float, t_start: float,
+              log: Callable[[str], None]) -> str | None:
+    """Time the grid's cells until done or ``deadline`` (on the run's clock); None, or where
+    the deadline stopped it."""
+    groups = grid.groups
     for n, (kind, c, sizes) in enumerate(groups):
         late = False
         if kind in ("cached", "shared"):
             run.cache_context(c)
         for b, cells in sizes:
-            late = read() > deadline
+            late = run.read() > deadline
             if late:
                 break
             if kind in ("decode", "shared"):
                 run.grow_decodes(b, c, shared=kind == "shared")
             for p, chunk in cells:
-                run.timed_cell(reps, p, chunk, cached=c if kind == "cached" else 0)
+                run.timed_cell(run.reps, p, chunk, cached=c if kind == "cached" else 0,
+                               label=f"{kind} C={c} B={b} P={p}" + (f"/{chunk}" if chunk else ""))
             ps = ",".join(f"{p}" + (f"/{k}" if k else "") for p, k in cells)
             log(f"  {kind:7s} C={c:<5d} B={b:<4d} P={ps:<40s} "
                 f"{len(run.samples):4d} samples {time.perf_counter() - t_start:6.1f} s")
         run.reset()
         if late:
-            log(f"calibration stopped at --max-seconds={max_seconds:g} in group {n + 1} of "
-                f"{len(groups)}; the fit uses what was measured")
-            break
+            where = (f"calibration stopped at --max-seconds={max_seconds:g} in group {n + 1} "
+                     f"of {len(groups)} ({kind} C={c})")
+            log(f"{where}; the fit uses what was measured")
+            return where
+    return None
 
-    knots = default_knots(budget)
-    samples = run.samples
-    model = fit(samples, knots)
+
+def fit_profile(samples: list[tuple[Features, float]], settings: Settings, grid: Grid,
+                stopped: str | None = None) -> Profile:
+    """The fit of ``samples`` (refused if a term is unpinned), trimmed of interference, with its
+    in-sample and leave-one-out errors."""
+    if not samples:
+        raise CalibrationError(refusal([("dense_s@1", 0.0)], grid, settings, stopped))
+    knots = default_knots(max(1, int(max(f[0] for f, _ in samples))))  # the largest step run
+    fixed = fixed_terms(settings)
+    unpinned = unpinned_terms(samples, knots, fixed)
+    if unpinned:
+        raise CalibrationError(refusal(unpinned, grid, settings, stopped))
+    model = fit(samples, knots, fixed)
     kept = [(f, t) for f, t in samples if t <= (1 + TRIM) * model.predict(f)]
-    if len(kept) >= len(samples) // 2:
-        model = fit(kept, knots)
+    if len(kept) >= len(samples) // 2 and not unpinned_terms(kept, knots, fixed):
+        model = fit(kept, knots, fixed)
+    else:
+        kept = list(samples)
     errs = relative_errors(model, samples)
-    made_on = {**describe_config(cfg), "max_num_batched_tokens": budget,
-               "max_num_seqs": max_seqs, "max_model_len": max_len,
-               "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-               "clock": clock,
-               **machine(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-               "calibration_s": round(time.perf_counter() - t_start, 1)}
-    try:
-        with open("/proc/loadavg") as fh:
-            made_on["loadavg"] = fh.read().split()[:3]
-    except OSError:
-        pass
-    engine.shutdown()
-    fit_stats = {"num_samples": len(samples), "num_kept": len(kept),
-                 "median_rel_err": quantile(errs, 0.5), "p90_rel_err": quantile(errs, 0.9)}
-    return Profile(model, made_on, fit_stats, [[*f, t] for f, t in samples])
+    held = holdout_errors(kept, knots, fixed)
+    stats: dict[str, Any] = {
+        "num_samples": len(samples), "num_kept": len(kept),
+        "num_terms": len(model.coefficients) - len(fixed), "fixed_terms": sorted(fixed),
+        "median_rel_err": quantile(errs, 0.5), "p90_rel_err": quantile(errs, 0.9),
+        "holdout": "leave-one-out over the kept samples",
+        "holdout_median_rel_err": quantile(held, 0.5), "holdout_p90_rel_err": quantile(held, 0.9),
+        "holdout_max_rel_err": max(held)}
+    if stopped:
+        stats["stopped"] = stopped
+    return Profile(model, {"largest_timed_step": knots[-1]}, stats,
+                   [[*f, t] for f, t in samples])
 
 
-Cell = tuple[int, int]  # (P prompt tokens, in prompts of at most this many; 0 = longest)
-Group = tuple[str, int, list[tuple[int, list[Cell]]]]  # (kind, C, [(B, cells), ...])
+def fixed_terms(s: Settings) -> tuple[str, ...]:
+    """Terms these settings hold constant, fixed rather than fitted (module docstring)."""
+    fixed = []
+    if s.max_seqs == 1:
+        fixed.append("per_seq_s")
+    if not s.caching:
+        fixed.append("per_decode_shared_context_s")
+    return tuple(fixed)
 
 
 def clock_reader(clock: str, threads: int) -> Callable[[], float]:
@@ -145,45 +196,12 @@ def clock_reader(clock: str, threads: int) -> Callable[[], float]:
     return CLOCKS[clock]
 
 
-def _grid(budget: int, max_len: int, max_seqs: int, caching: bool, pool_tokens: int) -> list[Group]:
-    """The cell groups in the order they run (module docstring). A decode group grows one batch
-    at context C through the listed sizes B, timing the cells of each size on the way."""
-    room = max_len - 64  # decode cells need some steps of headroom
-    cap = min(SETUP_TOKEN_CAP, pool_tokens - budget)  # room left for a prefill cell
-    top = min(budget, cap)
-    prefills = [p for p in (4, 16, 32, 64, 128, 256, 512, 1024) if p < top] + [top]
-    short = [(p, max(32, -(-p // max_seqs))) for p in prefills if p >= 256]
-    groups: list[Group] = [("prefill", 0, [(0, [(p, 0) for p in prefills] + short)])]
-    if caching:
-        c = min(512, room // 2)
-        ps = [(p, 0) for p in (64, 512) if c + p < max_len and p <= budget]
-        if c >= 16 and ps:
-            groups.append(("cached", c, [(0, ps)]))
-    contexts = sorted({c for c in (64, 256, min(512, room)) if 0 < c <= room} or {max(1, room)})
-    mixed_c = min(contexts, key=lambda c: abs(c - 256))
-    for c in contexts:
-        sizes = []
-        for b in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-            if b > max_seqs or b * (c + 64) > cap:
-                break
-            cells = [(0, 0)]
-            if c == mixed_c and b in (4, 16, 64):
-                cells += [(p, 0) for p in (16, 128, 512) if b + p <= budget and b < max_seqs]
-            sizes.append((b, cells))
-        if sizes:
-            groups.append(("decode", c, sizes))
-    if caching and mixed_c + 16 <= room:  # decodes whose context is mostly one shared prefix
-        shared = [(b, [(0, 0)]) for b in (4, 16, 64) if b <= max_seqs and b * 64 <= cap]
-        if shared:
-            groups.append(("shared", mixed_c, shared))
-    return groups
-
-
 class _Runner:
     """Builds the grid's situations on the engine and times single steps."""
 
-    def __init__(self, engine: Any, vocab: int, read: Callable[[], float]) -> None:
-        self.engine, self.sched, self.read = engine, engine.scheduler, read
+    def __init__(self, engine: Any, vocab: int, read: Callable[[], float], reps: int) -> None:
+        self.engine, self.sched, self.read, self.reps = engine, engine.scheduler, read, reps
+        self.dropped: list[str] = []  # cells that did not run as planned, and why
         self.rng = random.Random(0)
         self.vocab = vocab
         self.samples: list[tuple[Features, float]] = []
@@ -228,33 +246,50 @@ class _Runner:
         decodes."""
         for _ in range(b - len(self.sched.running)):
             self._add(self.context + self._tokens(16) if shared else self._tokens(c), 10**6)
-        while self.sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                        for r in self.sched.running):
+        budget = self.engine.config.scheduler.max_num_batched_tokens
+        for _ in range(4 * (b + b * (c + 16) // budget) + 64):  # bounded: each step prefills
+            if not (self.sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                              for r in self.sched.running)):
+                return
             self.samples.append(self._step())
+        raise RuntimeError(f"calibration could not bring {b} requests of {c} tokens to decode "
+                           f"(the pool holds {self.engine.kv.num_blocks} blocks); this is a bug "
+                           f"in the grid's sizing (pagedllm/planner/grid.py)")
 
-    def timed_cell(self, reps: int, p: int, chunk: int = 0, cached: int = 0) -> None:
+    def timed_cell(self, reps: int, p: int, chunk: int = 0, cached: int = 0,
+                   label: str = "") -> None:
         """Steps of the running decodes plus, when ``p``, ``p`` new prompt tokens (after the
         cached context when ``cached``) that finish in their one step: prompts of ``chunk``
         tokens (0: as long as max_model_len allows), as many as ``p`` needs. At least ``reps``
         steps, up to three times that while the cell has taken under 0.2 s (fast cells are the
-        noisiest)."""
+        noisiest). A step that does not run as planned (not all ``p`` tokens beside every
+        decode, or a preemption) drops the cell: its leftover prompts are aborted."""
         room = self.engine.config.scheduler.max_model_len - 1 - cached
         if chunk:
             room = min(room, chunk)
         runs: list[tuple[Features, float]] = []
         spent = 0.0
         while len(runs) < reps or (len(runs) < 3 * reps and spent < 0.2):
-            left = p
+            want, preempted = len(self.sched.running) + p, self.engine.num_preemptions
+            left, rids = p, []
             while left > 0:
                 n = min(left, room)
-                self._add((self.context[:cached] if cached else []) + self._tokens(n), 1)
+                rids.append(self._add((self.context[:cached] if cached else []) + self._tokens(n), 1))
                 left -= n
-            runs.append(self._step())
-            spent += runs[-1][1]
-        feats = tuple(statistics.fmean(f[i] for f, _ in runs) for i in range(len(runs[0][0])))
+            feats, t = self._step()
+            if feats[0] != want or self.engine.num_preemptions != preempted:
+                for rid in rids:
+                    self.engine.abort_request(rid)  # False for those that finished
+                self.dropped.append(f"{label}: ran {int(feats[0])} of {want} tokens"
+                                    + (", preempted" if self.engine.num_preemptions != preempted
+                                       else ""))
+                return
+            runs.append((feats, t))
+            spent += t
+        feats_mean = tuple(statistics.fmean(f[i] for f, _ in runs) for i in range(len(runs[0][0])))
         times = sorted(t for _, t in runs)
         kept = times[:-1] if len(times) >= 3 else times  # the slowest is most likely interference
-        self.samples.append((feats, statistics.fmean(kept)))  # type: ignore[arg-type]
+        self.samples.append((feats_mean, statistics.fmean(kept)))  # type: ignore[arg-type]
 
     def reset(self) -> None:
         for rid in self.added:

@@ -20,6 +20,7 @@ PLAN_COLUMNS = (
     ("num_steps", "steps"), ("kv_utilization", "KV util"), ("mean_pool_usage", "pool use"),
     ("prefix_cache_hit_rate", "hit rate"),
 )
+HOLDOUT_WARN = 0.15  # calibrate warns above this median error on held-out steps
 TIMED = {"output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
          "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms"}
 
@@ -65,8 +66,10 @@ def register(subparsers: Any) -> None:
     sub = p.add_subparsers(dest="plan_command", metavar="{calibrate}")
     c = sub.add_parser("calibrate", help="time real engine steps and fit a step-cost profile",
                        description="Times engine.step() over a grid of prefill tokens, decode "
-                       "batch sizes and contexts on this machine and fits the step-cost model "
-                       "(pagedllm.planner.cost). Put engine flags after `calibrate`.")
+                       "batch sizes and contexts on this machine, sized to what the KV pool and "
+                       "the token budget allow, and fits the step-cost model "
+                       "(pagedllm.planner.cost); refuses when the grid cannot pin every term, "
+                       "naming the flag to change. Put engine flags after `calibrate`.")
     c.add_argument("--output", type=Path, required=True, metavar="FILE", help="profile JSON")
     c.add_argument("--reps", type=int, default=3, help="repetitions per grid cell (median kept)")
     c.add_argument("--max-seconds", type=float, default=300.0,
@@ -83,16 +86,19 @@ def register(subparsers: Any) -> None:
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
     from pagedllm.planner.calibrate import calibrate, summarize_fit
+    from pagedllm.planner.profile import fit_quality
 
     if a.reps < 1:
         raise ValueError(f"--reps={a.reps} must be >= 1")
     prof = calibrate(EngineArgs.from_cli(a), a.reps, a.max_seconds, a.threads, a.clock,
                      log=lambda s: print(s, file=sys.stderr))
     print(summarize_fit(prof.model))
-    f = prof.fit
-    print(f"fit over {f['num_samples']} timed cells ({f['num_kept']} kept): median error "
-          f"{f['median_rel_err']:.1%}, p90 {f['p90_rel_err']:.1%}; "
-          f"{prof.made_on['calibration_s']} s")
+    print(fit_quality(prof.fit))
+    if prof.fit["holdout_median_rel_err"] > HOLDOUT_WARN:
+        print(f"warning: the fit misses steps it did not see by "
+              f"{prof.fit['holdout_median_rel_err']:.0%} (median), plans carry that; on a shared "
+              f"machine use --clock cpu --threads 1, or raise --reps", file=sys.stderr)
+    print(f"calibration took {prof.made_on['calibration_s']} s")
     print(f"wrote {prof.save(a.output)}")
     return 0
 
@@ -122,7 +128,7 @@ def _replay(a: argparse.Namespace, args: EngineArgs) -> int:
     from pagedllm.bench.report import write_json
     from pagedllm.bench.workload import build_workload, summarize
     from pagedllm.planner.plan import Planner
-    from pagedllm.planner.profile import Profile, describe_config
+    from pagedllm.planner.profile import Profile, describe_setup
     from pagedllm.planner.sweep import SLO, combinations, parse_sweep, recommend
 
     slo = SLO(a.slo_ttft_p99, a.slo_tpot)
@@ -144,7 +150,8 @@ def _replay(a: argparse.Namespace, args: EngineArgs) -> int:
               "P.json [engine flags]`, then --profile P.json (without one every request arrives "
               "at once; scheduling below is exact)")
     else:
-        for m in profile.mismatches(describe_config(cfg)):
+        print(f"profile          {profile.quality()}")
+        for m in profile.mismatches(describe_setup(cfg)):
             print(f"warning          profile made on a different setup ({m}); timings carry "
                   f"that difference", file=sys.stderr)
     planner = Planner(reqs, profile, a.seed)

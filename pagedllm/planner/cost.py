@@ -27,6 +27,12 @@ is a least-squares problem: minimise the *relative* error over timed steps (they
 millisecond to seconds; each should be predicted to a percentage), every coefficient >= 0 (an
 active-set loop pins a negative one to zero and refits). Pure Python; a dozen unknowns are a
 12x12 solve.
+
+Two checks keep a fit honest. ``unpinned_terms``: a term whose column the timed steps never vary
+apart from the others (or never have) could take any value at no cost to the fit, so the
+calibration refuses rather than fit it. ``holdout_errors``: each step predicted by the fit of all
+the others (leave-one-out), the error on steps the fit did not see; a fit with as many free terms
+as steps is exact in-sample and says nothing.
 """
 
 from __future__ import annotations
@@ -118,48 +124,120 @@ def design_row(knots: Sequence[int], f: Features) -> list[float]:
     return [*_hat(knots, tokens), seqs, dctx - shared, shared, pairs]
 
 
-def fit(samples: Sequence[tuple[Features, float]], knots: Sequence[int]) -> StepCostModel:
+def term_names(knots: Sequence[int]) -> list[str]:
+    """The model's free terms, in design-row order: the dense part at each knot, then
+    ``LINEAR_TERMS``."""
+    return [*(f"dense_s@{k}" for k in knots), *LINEAR_TERMS]
+
+
+def fit(samples: Sequence[tuple[Features, float]], knots: Sequence[int],
+        fixed: Sequence[str] = ()) -> StepCostModel:
     """Non-negative least squares on relative error: minimise sum ((pred - t) / t)^2 over
     ``(features, seconds)`` samples, every coefficient >= 0. Knots no sample comes near (and
-    terms no sample has) get 0, except shared decode context, which without samples costs what
-    private context does."""
-    rows = [(design_row(knots, f), t) for f, t in samples if t > 0]
-    if not rows:
-        raise ValueError("no timed steps to fit a step-cost model to")
-    k = len(knots) + len(LINEAR_TERMS)
-    active = [j for j in range(k) if any(r[j] for r, _ in rows)]
-    while True:
-        coef = _weighted_lstsq(rows, active, k)
-        neg = [j for j in active if coef[j] < 0]
-        if not neg:
-            break
-        active.remove(min(neg, key=lambda j: coef[j]))
-    n = len(knots)
-    per_seq, private, shared, pairs = coef[n:]
-    if not any(f[3] for f, _ in samples):
-        shared = private
-    return StepCostModel(tuple(knots), tuple(coef[:n]), per_seq, private, shared, pairs)
+    terms no sample has) get 0, as do the ``fixed`` terms (``term_names``: terms the settings
+    hold constant); shared decode context, without samples or fixed, costs what private context
+    does."""
+    system = _System(samples, knots, fixed)
+    return system.model(system.nnls(system.free()))
 
 
-def _weighted_lstsq(rows: list[tuple[list[float], float]], active: list[int],
-                    k: int) -> list[float]:
-    """Least squares over the ``active`` columns of rows scaled by 1/t (relative error); the
-    columns are normalised first so that features in the millions do not swamp the solve."""
-    scale = [max(abs(r[j]) / t for r, t in rows) or 1.0 for j in active]
-    m = len(active)
-    ata = [[0.0] * m for _ in range(m)]
-    atb = [0.0] * m
-    for r, t in rows:
-        x = [r[j] / t / scale[a] for a, j in enumerate(active)]  # target: t / t = 1
-        for a in range(m):
-            atb[a] += x[a]
-            for b in range(m):
-                ata[a][b] += x[a] * x[b]
-    sol = _solve(ata, atb)
-    coef = [0.0] * k
-    for a, j in enumerate(active):
-        coef[j] = sol[a] / scale[a]
-    return coef
+def holdout_errors(samples: Sequence[tuple[Features, float]], knots: Sequence[int],
+                   fixed: Sequence[str] = ()) -> list[float]:
+    """Leave-one-out: each sample's |pred - t| / t under the fit of all the others (the error on
+    a step the fit did not see; a term only one sample pins shows up as that sample's error)."""
+    system = _System(samples, knots, fixed)
+    errs = []
+    for i, (_, t) in enumerate(system.rows):
+        model = system.model(system.nnls(system.free(without=i), without=i), without=i)
+        errs.append(abs(model.predict(system.features[i]) - t) / t)
+    return errs
+
+
+PIN_TOL = 0.05  # a term is pinned if its column is at least this far out of the others' span
+
+
+def unpinned_terms(samples: Sequence[tuple[Features, float]], knots: Sequence[int],
+                   fixed: Sequence[str] = ()) -> list[tuple[str, float]]:
+    """The free terms the samples do not determine, with how far each one's column (scaled as the
+    fit sees it) lies outside the span of the other columns: 0 when no sample has the term, near
+    0 when the samples only ever vary it together with others (the fit could trade one for the
+    others at no cost). Pinned terms have a distance of at least ``PIN_TOL``."""
+    system = _System(samples, knots, fixed)
+    names = term_names(knots)
+    free = [j for j in range(len(names)) if names[j] not in system.fixed]
+    out = []
+    for j in free:
+        if system.ata[j][j] == 0.0:
+            out.append((names[j], 0.0))
+            continue
+        others = [o for o in free if o != j and system.ata[o][o] > 0.0]
+        beta = _solve([[system.ata[a][b] for b in others] for a in others],
+                      [system.ata[a][j] for a in others])
+        resid = system.ata[j][j] - sum(b * system.ata[a][j] for a, b in zip(others, beta))
+        dist = math.sqrt(max(resid, 0.0) / system.ata[j][j])
+        if dist < PIN_TOL:
+            out.append((names[j], dist))
+    return out
+
+
+class _System:
+    """The fit's normal equations over ``samples``: rows scaled by 1/t (relative error) and
+    columns by their largest value, so that features in the millions do not swamp the solve;
+    one row's share can be taken out (``without``) for leave-one-out."""
+
+    def __init__(self, samples: Sequence[tuple[Features, float]], knots: Sequence[int],
+                 fixed: Sequence[str]) -> None:
+        names = term_names(knots)
+        unknown = set(fixed) - set(names)
+        if unknown:
+            raise ValueError(f"fixed terms {sorted(unknown)} are not among {names}")
+        kept = [(f, t) for f, t in samples if t > 0]
+        if not kept:
+            raise ValueError("no timed steps to fit a step-cost model to")
+        self.knots, self.fixed = tuple(knots), frozenset(fixed)
+        self.features = [f for f, _ in kept]
+        self.rows = [(design_row(knots, f), t) for f, t in kept]
+        k = len(names)
+        self.scale = [max(abs(r[j]) / t for r, t in self.rows) or 1.0 for j in range(k)]
+        self.xs = [[r[j] / t / self.scale[j] for j in range(k)] for r, t in self.rows]
+        self.ata = [[sum(x[a] * x[b] for x in self.xs) for b in range(k)] for a in range(k)]
+        self.atb = [sum(x[a] for x in self.xs) for a in range(k)]  # target: t / t = 1
+        self.shared_j = k - 2
+
+    def free(self, without: int | None = None) -> list[int]:
+        """Columns to solve for: not fixed, and some sample (other than ``without``) has them."""
+        names = term_names(self.knots)
+        return [j for j in range(len(names)) if names[j] not in self.fixed
+                and any(x[j] for i, x in enumerate(self.xs) if i != without)]
+
+    def nnls(self, active: list[int], without: int | None = None) -> list[float]:
+        """Coefficients (unscaled) of the least squares over ``active`` columns; a negative one
+        is pinned to zero and the rest refit, until none is."""
+        ata, atb = self.ata, self.atb
+        if without is not None:
+            x = self.xs[without]
+            ata = [[v - x[a] * x[b] for b, v in enumerate(row)] for a, row in enumerate(ata)]
+            atb = [v - x[a] for a, v in enumerate(atb)]
+        active = list(active)
+        coef = [0.0] * len(atb)
+        while active:
+            sol = _solve([[ata[a][b] for b in active] for a in active], [atb[a] for a in active])
+            coef = [0.0] * len(atb)
+            for a, j in enumerate(active):
+                coef[j] = sol[a] / self.scale[j]
+            neg = [j for j in active if coef[j] < 0]
+            if not neg:
+                break
+            active.remove(min(neg, key=lambda j: coef[j]))
+        return coef
+
+    def model(self, coef: list[float], without: int | None = None) -> StepCostModel:
+        n = len(self.knots)
+        per_seq, private, shared, pairs = coef[n:]
+        if not any(x[self.shared_j] for i, x in enumerate(self.xs) if i != without) \
+                or "per_decode_shared_context_s" in self.fixed:
+            shared = private
+        return StepCostModel(self.knots, tuple(coef[:n]), per_seq, private, shared, pairs)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:

@@ -1,8 +1,9 @@
 """A step-cost profile: the fitted model plus what it was measured on, as a small JSON file.
 
 ``pagedllm plan calibrate`` writes it; ``pagedllm plan --profile`` reads it and warns when the
-plan's model, dtype or machine differ from the profile's (the prediction then carries that
-mismatch; the README says by how much).
+plan's machine, model, dtype, pool or token budget differ from the profile's (the prediction
+then carries that difference; the README says by how much), and prints how well the fit
+predicted steps it did not see.
 """
 
 from __future__ import annotations
@@ -52,17 +53,75 @@ class Profile:
 
     def mismatches(self, here: dict[str, Any]) -> list[str]:
         """Human-readable differences between where the profile was made and ``here`` (keys of
-        ``made_on``; only those present in both are compared)."""
-        keys = ("model", "dtype", "kv_cache_dtype", "device", "block_size", "torch",
-                "torch_threads", "processor", "cpu_count")
-        return [f"{k}: profile {self.made_on[k]!r}, plan {here[k]!r}" for k in keys
-                if k in self.made_on and k in here and self.made_on[k] != here[k]]
+        ``made_on``, as ``describe_setup`` gives them; only those present in both are
+        compared)."""
+        out = [f"{what}: profile {self.made_on[k]!r}, plan {here[k]!r}"
+               for k, what in MATCHED.items()
+               if k in self.made_on and k in here and self.made_on[k] != here[k]]
+        top = self.made_on.get("largest_timed_step")
+        if top is not None and "pool_tokens" in here and "max_num_batched_tokens" in here:
+            step = min(here["pool_tokens"], here["max_num_batched_tokens"])
+            if step > STEP_SLACK * top:  # a few tokens more extrapolate within the noise
+                out.append(f"largest step: profile timed steps of up to {top} tokens, the plan's "
+                           f"pool and budget allow {step}; larger steps are extrapolated")
+        return out
+
+    def quality(self) -> str:
+        return fit_quality(self.fit)
+
+
+STEP_SLACK = 1.1  # warn when the plan's steps may exceed the largest timed one by more
+
+# made_on key -> what it is, in a warning
+MATCHED = {
+    "model": "model", "dtype": "dtype", "kv_cache_dtype": "KV cache dtype", "device": "device",
+    "hostname": "machine", "cpu_model": "machine (CPU)", "processor": "machine (processor)",
+    "cpu_count": "machine (CPUs)", "torch": "torch", "torch_threads": "torch threads",
+    "block_size": "block size", "pool_tokens": "KV pool (tokens)",
+    "max_num_batched_tokens": "token budget (--max-num-batched-tokens)",
+    "max_num_seqs": "--max-num-seqs", "max_model_len": "--max-model-len",
+}
+
+
+def fit_quality(fit: dict[str, Any]) -> str:
+    """One line: how well the fit predicts steps, in-sample and held out."""
+    if "holdout_median_rel_err" not in fit:
+        return ("fit quality unknown: the profile has no held-out error (made before calibrate "
+                "measured one); re-run `pagedllm plan calibrate`")
+    return (f"fit over {fit['num_samples']} timed steps ({fit['num_kept']} kept, "
+            f"{fit['num_terms']} free terms): on steps the fit did not see (leave-one-out) "
+            f"median error {fit['holdout_median_rel_err']:.1%}, p90 "
+            f"{fit['holdout_p90_rel_err']:.1%}, max {fit['holdout_max_rel_err']:.1%}; "
+            f"in-sample median {fit['median_rel_err']:.1%}, p90 {fit['p90_rel_err']:.1%}")
 
 
 def machine() -> dict[str, Any]:
     """The machine a profile describes (no torch import: torch facts are added by calibrate)."""
-    return {"processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+    return {"hostname": platform.node(), "cpu_model": _cpu_model(),
+            "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
             "platform": platform.platform(), "python": platform.python_version()}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe_setup(config: Any) -> dict[str, Any]:
+    """What ``plan`` compares a profile against: the config's keys, its pool and budget (as
+    ``pool_lines`` sizes the pool) and this machine."""
+    from pagedllm.kv.plan import plan_kv_pool
+    from pagedllm.planner.grid import Settings
+
+    pool = plan_kv_pool(config.model, config.cache, config.scheduler)
+    return {**describe_config(config), **Settings.of(config, pool.num_blocks).facts(),
+            **machine()}
 
 
 def describe_config(config: Any) -> dict[str, Any]:

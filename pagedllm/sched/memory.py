@@ -82,7 +82,13 @@ class KVMemoryPolicy:
 
     def end_step(self, requests: Iterable[Request], idle: bool) -> SchedulerOutput | None:
         """After a step: compaction if a trigger fired, shrink if ``idle``; the KV-only step that
-        applies them, or None."""
+        applies them, or None. Then the step's KV events go out as one batch (kv/events.py)."""
+        try:
+            return self._upkeep(requests, idle)
+        finally:
+            self.kv.events.end_step()
+
+    def _upkeep(self, requests: Iterable[Request], idle: bool) -> SchedulerOutput | None:
         self.steps += 1
         c, kv = self.cache, self.kv
         every = c.compact_every_n_steps

@@ -21,10 +21,17 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm import __version__
 from pagedllm.chat import check_chat_template_kwargs, load_chat_template
@@ -35,17 +42,22 @@ from pagedllm.logging_utils import init_logger
 from pagedllm.server.fields import check_extras, structured_outputs
 from pagedllm.server.inspector import KVInspector
 from pagedllm.server.inspector import add_routes as add_inspector_routes
+from pagedllm.server.openapi import GENERATE, PROMETHEUS, answers, request_body
+from pagedllm.server.openapi import install as install_openapi
 from pagedllm.server.prompts import Budget, _chat_prompt, _completion_prompts
 from pagedllm.server.protocol import (
     ChatChoice,
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatResponseMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
+    VersionResponse,
 )
 from pagedllm.server.responses import (
     _SSE_HEADERS,
@@ -122,6 +134,7 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, openapi_url=None,
                   docs_url=None, redoc_url=None)  # served below, behind the key
+    install_openapi(app, bearer=api_key is not None)
     app.state.server = srv
     app.state.engine = engine if isinstance(engine, LLMEngine) else None  # tests' shortcut
     app.state.async_engine = srv.async_engine
@@ -135,7 +148,9 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return APIError(e.status_code, str(e.detail), type=kind).response()
+        response = APIError(e.status_code, str(e.detail), type=kind).response()
+        response.headers.update(e.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -145,25 +160,20 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
     async def _gone(_: Request, e: ClientDisconnect) -> Response:
         return Response(status_code=499)  # nobody reads it; nothing was queued yet
 
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        ref = f"error-{uuid.uuid4().hex}"
-        logger.exception("unhandled error (request id %s)", ref)
-        return APIError(500, f"internal server error (request id {ref}); the server log has the "
-                        f"details", type="server_error").response()
+    app.add_middleware(_Unhandled)
 
-    @app.get("/health")
+    @app.get("/health", responses=answers(HealthResponse, 503))
     async def health() -> Response:
         if not srv.async_engine.is_running:
             return APIError(503, "the engine is not running; the server log has the details",
                             type="server_error").response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/version")
+    @app.get("/version", responses=answers(VersionResponse))
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=PROMETHEUS)
     async def metrics() -> Response:
         return Response(srv.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -186,13 +196,14 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(srv.check_auth)])
 
-    @v1.get("/models")
+    @v1.get("/models", responses=answers(ModelList, 401))
     async def models() -> dict[str, Any]:
         ids = [srv.model_name] + [n for n in names[1:] if n != srv.model_name]
         return ModelList(data=[ModelCard(id=i, max_model_len=srv.max_model_len)
                                for i in ids]).model_dump()
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=request_body(CompletionRequest),
+             responses=answers(CompletionResponse, *GENERATE, stream=CompletionResponse))
     async def completions(request: Request) -> Response:
         body = await _read_json(request, srv.limits.max_request_bytes)
         req = _validate(CompletionRequest, body)
@@ -241,7 +252,8 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
                                   usage=_usage(prompt_tokens, completion_tokens))
         return Response(resp.model_dump_json(), media_type="application/json")
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
+             responses=answers(ChatCompletionResponse, *GENERATE, stream=ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         body = await _read_json(request, srv.limits.max_request_bytes)
         req = _validate(ChatCompletionRequest, body)
@@ -305,6 +317,38 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
         add_inspector_routes(app, inspector, srv.check_auth)
     add_tokenize_routes(app, srv, template)
     return app
+
+
+class _Unhandled:
+    """An unhandled error is a 500 naming a request id, logged once with that id. (Starlette's
+    handler for ``Exception`` re-raises after answering, so uvicorn logged it a second time.)
+    Once a response has started nothing can be answered: the error goes on to uvicorn, which
+    logs it and closes the connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception:
+            if started:
+                raise
+            ref = f"error-{uuid.uuid4().hex}"
+            logger.exception("unhandled error (request id %s)", ref)
+            response = APIError(500, f"internal server error (request id {ref}); the server log "
+                                f"has the details", type="server_error").response()
+            await response(scope, receive, send)
 
 
 def _no_streamed_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:

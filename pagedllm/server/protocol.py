@@ -112,9 +112,15 @@ class _SamplingFields(_Strict):
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
+_HAIKU: Any = [{"role": "user", "content": "Write a haiku about memory."}]  # the docs' example
 
 
 class CompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [  # the document's (/docs) examples
+        {"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0},
+        {"prompt": ["Once upon a time", "The KV cache"], "max_tokens": 16, "n": 2, "seed": 1,
+         "stream": True, "stream_options": {"include_usage": True}, "logprobs": 2}]})
+
     prompt: PromptInput
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -174,6 +180,11 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": _HAIKU, "max_tokens": 32},
+        {"messages": _HAIKU, "max_completion_tokens": 16, "n": 2, "stream": True,
+         "logprobs": True, "top_logprobs": 2, "response_format": {"type": "json_object"}}]})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -184,6 +195,29 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Strict):
+    """``/tokenize``: either ``prompt`` (completions) or ``messages`` (chat), as vLLM takes them."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "def fibonacci(n):", "return_token_strs": True},
+        {"messages": _HAIKU, "add_special_tokens": True}]})
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"tokens": [5, 6, 7]}]})
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -317,11 +351,38 @@ class ModelList(BaseModel):
 
 
 class ErrorInfo(BaseModel):
+    """An error's text is escaped where it is not valid Unicode (a lone surrogate from a JSON
+    ``\\ud800`` escape, echoed from the request): an error path must never fail to encode."""
+
     message: str
     type: str
     param: str | None = None
     code: str | None = None
 
+    @field_validator("message", "type", "param", "code")
+    @classmethod
+    def _escape(cls, v: str | None) -> str | None:
+        return None if v is None else v.encode("utf-8", "backslashreplace").decode("utf-8")
+
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+
+
+class VersionResponse(BaseModel):
+    version: str

@@ -12,6 +12,7 @@ prompt sources, which tokenize and check length on the client's tokenizer thread
 from __future__ import annotations
 
 import asyncio
+import email.message
 import hmac
 import json
 import math
@@ -117,16 +118,33 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _check_json_content_type(request: Request) -> None:
+    """A body is JSON only when it says so (``application/json`` or ``application/*+json``):
+    ``text/plain``, form data and a body with no type are what a web page may send cross-site
+    without a CORS preflight, so taking them would let any page drive a server that runs
+    without --api-key. A 415, as FastAPI answers for the bodies it reads itself."""
+    value = request.headers.get("content-type", "")
+    msg = email.message.Message()
+    msg["content-type"] = value
+    sub = msg.get_content_subtype()
+    if value and msg.get_content_maintype() == "application" and (sub == "json" or sub.endswith("+json")):
+        return
+    got = f"Content-Type {value!r}" if value else "no Content-Type"
+    raise APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json' "
+                   f"(got {got})", param="body", code="unsupported_media_type")
+
+
 async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+    _check_json_content_type(request)
     cl = request.headers.get("content-length")
     if cl is not None and cl.isdigit() and int(cl) > limit:
-        raise APIError(400, f"the request body has {cl} bytes; the limit is {limit} (--max-request-bytes)",
+        raise APIError(413, f"the request body has {cl} bytes; the limit is {limit} (--max-request-bytes)",
                        param="body", code="request_too_large")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise APIError(400, f"the request body exceeds {limit} bytes (--max-request-bytes)",
+            raise APIError(413, f"the request body exceeds {limit} bytes (--max-request-bytes)",
                            param="body", code="request_too_large")
         chunks.append(chunk)
     raw = b"".join(chunks)

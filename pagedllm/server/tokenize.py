@@ -7,33 +7,19 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from pydantic import ConfigDict, Field
 
 from pagedllm.chat import render_chat
 from pagedllm.checks import check_token_ids
 from pagedllm.engine.client import FrontEnd
-from pagedllm.server.protocol import ChatMessage, _Strict
+from pagedllm.server.openapi import REFUSALS, answers, request_body
+from pagedllm.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from pagedllm.server.serving import APIError, _read_json, _Server, _validate
 from pagedllm.server.tools import messages_for_template
-
-
-class TokenizeRequest(_Strict):
-    """Either ``prompt`` (completions) or ``messages`` (chat), as vLLM takes them."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
-
-
-class DetokenizeRequest(_Strict):
-    model: str | None = None
-    tokens: list[int] = Field(max_length=1 << 20)
 
 
 def add_tokenize_routes(app: FastAPI, srv: _Server, chat_template: str | None) -> None:
@@ -45,7 +31,8 @@ def add_tokenize_routes(app: FastAPI, srv: _Server, chat_template: str | None) -
         except ValueError as e:
             raise APIError(400, str(e), param=_param(str(e))) from None
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", openapi_extra=request_body(TokenizeRequest),
+                 responses=answers(TokenizeResponse, *REFUSALS))
     async def tokenize(request: Request) -> dict[str, Any]:
         req = _validate(TokenizeRequest, await _read_json(request, srv.limits.max_request_bytes))
         srv.check_model(req.model)
@@ -63,9 +50,8 @@ def add_tokenize_routes(app: FastAPI, srv: _Server, chat_template: str | None) -
             if messages is not None:
                 ids = render_chat(tok, messages, add_generation_prompt=req.add_generation_prompt,
                                   chat_template=chat_template,
-                                  chat_template_kwargs=req.chat_template_kwargs)
-                if req.add_special_tokens:  # the template writes them; vLLM's default is False
-                    ids = tok.build_inputs_with_special_tokens(ids)
+                                  chat_template_kwargs=req.chat_template_kwargs,
+                                  add_special_tokens=bool(req.add_special_tokens))
             else:
                 ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
             strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -74,7 +60,8 @@ def add_tokenize_routes(app: FastAPI, srv: _Server, chat_template: str | None) -
 
         return await on_engine(run)
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest),
+                 responses=answers(DetokenizeResponse, *REFUSALS))
     async def detokenize(request: Request) -> dict[str, Any]:
         req = _validate(DetokenizeRequest, await _read_json(request, srv.limits.max_request_bytes))
         srv.check_model(req.model)

@@ -19,7 +19,8 @@ def refs(m: KVCacheManager) -> list[int]:
 def snapshot(m: KVCacheManager) -> tuple:
     return (m.pool.free_queue.ids(), refs(m), dict(m.pool.cached),
             [b.block_hash for b in m.pool.blocks],
-            {r: m.block_table(r) for r in m._tables}, {r: list(h) for r, h in m._hashes.items()})
+            {r: m.block_table(r) for r in m.tables.held},
+            {r: list(h) for r, h in m.tables.hashes.items()})
 
 
 def run_prompt(m: KVCacheManager, rid: str, tokens: list[int]) -> PrefixHit:
@@ -220,8 +221,9 @@ def test_identical_blocks_computed_twice_keep_the_first_in_the_index() -> None:
     m.cache_blocks("a", A, 10)
     m.cache_blocks("b", A, 10)
     assert {h: b.block_id for h, b in m.pool.cached.items()} == {
-        h.value: i for i, h in enumerate(m._hashes["a"])}
-    assert m._hashes["b"] == m._hashes["a"]  # b keeps its chain: its own later blocks link on
+        h.value: i for i, h in enumerate(m.tables.hashes["a"])}
+    # b keeps its chain: its own later blocks link on
+    assert m.tables.hashes["b"] == m.tables.hashes["a"]
     assert [b.block_hash for b in m.pool.blocks[3:6]] == [None, None, None]
     m.free("a")
     m.free("b")

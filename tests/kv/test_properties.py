@@ -8,6 +8,12 @@ and a request may only ever write into blocks that no other request holds.
 Some machines run a sliding-window manager: after each chunk the blocks that left the window are
 freed (as the scheduler does), so a request holds exactly the blocks from its window on, and a
 prefix hit holds the window of its first uncomputed token.
+
+Most machines also listen to the KV events (kv/events.py) and rebuild the prefix cache from them
+alone, three ways (each event as it comes, ops included: hash -> block id through compactions;
+cache events only: the set of hashes; per-step batches, coalesced: the set of hashes): after every
+step each equals the pool's index exactly, and every stored block's tokens are its shadow's last
+``block_size`` tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from hypothesis.stateful import (
     rule,
 )
 
+from pagedllm.kv.block_pool import hash_hex
+from pagedllm.kv.events import BlockStored, KVCacheMirror, KVEvent
 from pagedllm.kv.manager import KVCacheManager
 
 TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=12)  # tiny alphabet: prefixes collide
@@ -29,10 +37,21 @@ TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=12)  # tiny alphabet: 
 
 class KVMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 12),
-                caching=st.booleans(), window=st.sampled_from([None, None, 1, 2, 3, 6]))
-    def setup(self, block_size: int, num_blocks: int, caching: bool, window: int | None) -> None:
+                caching=st.booleans(), window=st.sampled_from([None, None, 1, 2, 3, 6]),
+                listen=st.sampled_from([True, True, False]))
+    def setup(self, block_size: int, num_blocks: int, caching: bool, window: int | None,
+              listen: bool) -> None:
         self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching,
                                 sliding_window=window)
+        self.mirrors: tuple[KVCacheMirror, KVCacheMirror, KVCacheMirror] | None = None
+        self.event_errors: list[str] = []
+        if listen:
+            self.mirrors = (KVCacheMirror(strict=True), KVCacheMirror(strict=True),
+                            KVCacheMirror(strict=True))
+            self.m.events.subscribe(self.mirrors[0], ops=True)
+            self.m.events.subscribe(self.mirrors[1])
+            self.m.events.subscribe_batches(self.mirrors[2].apply)
+            self.m.events.subscribe(self.check_stored)
         self.bs = block_size
         self.tokens: dict[str, list[int]] = {}  # running requests
         self.computed: dict[str, int] = {}
@@ -41,6 +60,15 @@ class KVMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     # -- helpers ------------------------------------------------------------------------------
+    def check_stored(self, event: KVEvent) -> None:
+        """A listener: a stored block holds the tokens its event names (the shadow's tail)."""
+        if isinstance(event, BlockStored):
+            bs = event.block_size
+            for i, b in enumerate(event.block_ids):
+                if self.shadow.get(b, ())[-bs:] != tuple(event.token_ids[i * bs:(i + 1) * bs]):
+                    self.event_errors.append(f"block {b} stored as {event} holds "
+                                             f"{self.shadow.get(b)}")
+
     def snapshot(self) -> tuple:
         m = self.m
         return (m.pool.free_queue.ids(), [b.ref_cnt for b in m.pool.blocks],
@@ -150,6 +178,14 @@ class KVMachine(RuleBasedStateMachine):
             self.free(rid)
         assert self.m.num_free_blocks == self.m.num_blocks and self.m.usage == 0.0
 
+    @rule()
+    def compact(self) -> None:
+        """Move referenced blocks to the lowest ids (between steps); the KV moves along."""
+        moves = self.m.compact()
+        for src, dst in moves:
+            self.shadow[dst] = self.shadow[src]
+        assert self.m.fragmentation() == 0
+
     @precondition(lambda self: not self.tokens)
     @rule()
     def reset_prefix_cache(self) -> None:
@@ -178,6 +214,14 @@ class KVMachine(RuleBasedStateMachine):
                 assert all(self.computed[r] >= end for r, _ in holders), f"block {b} not full"
         if not self.tokens:
             assert self.m.num_free_blocks == self.m.num_blocks
+        self.m.events.end_step()  # each rule is one engine step
+        if self.mirrors is not None:
+            assert not self.event_errors, self.event_errors
+            cached = {hash_hex(v): b.block_id for v, b in self.m.pool.cached.items()}
+            each, plain, batched = self.mirrors
+            assert each.blocks == cached, "op + cache events do not rebuild the index"
+            assert plain.blocks.keys() == cached.keys(), "cache events miss a hash"
+            assert batched.blocks.keys() == cached.keys(), "the step batches miss a hash"
 
 
 KVMachine.TestCase.settings = settings(

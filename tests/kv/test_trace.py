@@ -117,4 +117,4 @@ def test_manager_trace_grow_compact_shrink_in_memory() -> None:
 
 def test_tracing_is_off_by_default(tiny_models: dict[str, Path]) -> None:
     llm = LLM(model=str(tiny_models["llama"]), block_size=4, num_kv_blocks=40, max_model_len=128)
-    assert llm.engine.kv.tracer is None and llm.engine.kv.pool.on_evict is None
+    assert not llm.engine.kv.events.active and not llm.engine.kv.events.ops  # builds no event

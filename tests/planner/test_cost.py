@@ -126,6 +126,7 @@ def test_profile_round_trip_and_mismatches(tmp_path: Path) -> None:
     assert q.model == TRUE and q.made_on == made_on and q.samples == p.samples
     assert q.mismatches({"model": "/other", "dtype": "float32"}) == [
         "model: profile '/m', plan '/other'"]
+    assert "no held-out error" in q.quality()  # a profile from before calibrate measured one
     path.write_text(json.dumps({"format": "something else"}))
     with pytest.raises(ValueError, match="pagedllm plan calibrate"):
         Profile.load(path)

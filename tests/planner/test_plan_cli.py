@@ -111,3 +111,22 @@ def test_compare_runs_the_real_engine(model: str, profile: Path, tmp_path: Path)
     for k in ("num_steps", "num_preemptions", "peak_running"):  # all at once: exact
         assert rows[k]["predicted"] == rows[k]["measured"], k
     assert rows["output_tokens_per_s"]["measured"] > 0 and rows["ttft_mean_s"]["error"] is not None
+
+
+def test_plan_warns_when_the_profile_was_made_on_another_pool_budget_or_machine(
+        model: str, profile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", model, *ENGINE, *WORKLOAD, "--profile", str(profile)]) == 0
+    out, err = capsys.readouterr()
+    assert "warning" not in err and "on steps the fit did not see (leave-one-out)" in out
+    doc = json.loads(profile.read_text())
+    doc["made_on"]["hostname"] = "another-host"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(doc))
+    engine = [*ENGINE[:-1], "512", "--num-kv-blocks", "40"]  # budget 512, pool 320 tokens
+    assert main(["plan", "--model", model, *engine, *WORKLOAD, "--profile", str(other)]) == 0
+    err = capsys.readouterr().err
+    assert "(machine: profile 'another-host'" in err
+    assert "(token budget (--max-num-batched-tokens): profile 256, plan 512)" in err
+    assert "(KV pool (tokens): profile " in err and "plan 320)" in err
+    assert "largest step: profile timed steps of up to 256 tokens, the plan's pool and " \
+        "budget allow 320" in err

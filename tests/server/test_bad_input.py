@@ -28,7 +28,7 @@ BAD_COMPLETIONS: list[Case] = [
     (b"[1, 2, 3]", 400, "body", "JSON object"),
     (b"[" * 5000 + b"]" * 5000, 400, "body", "not valid JSON"),
     (b'{"prompt": ' + b'{"a": ' * 3000 + b"1" + b"}" * 3000 + b"}", 400, "body", "not valid JSON"),
-    (b"x" * (65 * 1024), 400, "body", "limit"),
+    (b"x" * (65 * 1024), 413, "body", "limit"),
     # lone UTF-16 surrogates, in every place text goes
     (b'{"prompt": "\\ud800abc", "max_tokens": 4}', 400, "prompt", "surrogate"),
     (b'{"prompt": ["t5", "t6 \\udc00"], "max_tokens": 4}', 400, "prompt", "surrogate"),
@@ -218,4 +218,65 @@ def test_omitted_max_tokens_is_what_the_context_leaves(server: ServerThread) -> 
     r = httpx.post(server.base_url + "/v1/completions", headers=AUTH, timeout=60,
                    json={"prompt": "t5", "temperature": 0, "ignore_eos": True})
     assert r.json()["usage"]["completion_tokens"] == 16
+    server.wait_idle()
+
+
+# a lone surrogate escape in a JSON key, in every place a client's keys go; each route
+KEY = '"\\ud800"'  # the JSON text \ud800: decodes to a lone surrogate no encoder takes
+SURROGATE_KEYS: list[tuple[str, str]] = [
+    ("/v1/completions", '{"prompt": "t5", "max_tokens": 2, %s: 1}'),
+    ("/v1/completions", '{"prompt": "t5", "max_tokens": 2, "metadata": {%s: "x"}}'),
+    ("/v1/completions", '{"prompt": "t5", "max_tokens": 2, "logit_bias": {%s: 1.0}}'),
+    ("/v1/completions", '{"prompt": "t5", "max_tokens": 2, "stream": true, %s: 1}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "t5"}], %s: 1}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "t5"}], "metadata": {%s: 1}}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "t5"}], "logit_bias": {%s: 1}}'),
+    ("/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "t5"}], "chat_template_kwargs": {%s: 1}}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "t5", %s: 1}]}'),
+    ("/tokenize", '{"prompt": "t5", %s: 1}'),
+    ("/tokenize", '{"messages": [{"role": "user", "content": "t5"}], "chat_template_kwargs": {%s: 1}}'),
+    ("/detokenize", '{"tokens": [5], %s: 1}'),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), SURROGATE_KEYS)
+def test_a_lone_surrogate_in_a_key_is_a_400_that_escapes_it(server: ServerThread, path: str,
+                                                              body: str) -> None:
+    """The 400 names the key, escaped (``\\ud800`` as text): echoing it raw made writing the
+    response fail (UnicodeEncodeError: a 500 or a reset connection)."""
+    with httpx.Client(base_url=server.base_url, headers={**AUTH, "Content-Type": "application/json"},
+                      timeout=30) as client:
+        r = client.post(path, content=(body % KEY).encode())
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "invalid_encoding" and "surrogate" in err["message"], err
+        assert "\\ud800" in err["message"] and "\ud800" not in r.text, err
+        assert client.post(path, content=(body % '"ok"').encode()).status_code < 500  # same connection
+    server.wait_idle()
+
+
+JSON_ROUTES = [("/v1/completions", {"prompt": "t5", "max_tokens": 1}),
+               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "t5"}], "max_tokens": 1}),
+               ("/tokenize", {"prompt": "t5"}), ("/detokenize", {"tokens": [5]})]
+
+
+@pytest.mark.parametrize(("path", "body"), JSON_ROUTES)
+def test_only_json_bodies_are_read(server: ServerThread, path: str, body: dict[str, Any]) -> None:
+    """A body that does not say it is JSON is a 415: text/plain, form data and a body with no
+    type are what a web page may send cross-site without a preflight (CSRF on a server without
+    --api-key); application/json (with a charset) and +json types are read."""
+    raw = json.dumps(body).encode()
+    with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=30) as client:
+        for ctype in ("text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded",
+                      "multipart/form-data; boundary=x", "application/jsonx", "json", None):
+            headers = {} if ctype is None else {"Content-Type": ctype}
+            r = client.post(path, content=raw, headers=headers)
+            assert r.status_code == 415, (ctype, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "unsupported_media_type" and "application/json" in err["message"]
+        for ctype in ("application/json", "application/json; charset=utf-8", "Application/JSON",
+                      "application/vnd.pagedllm+json"):
+            r = client.post(path, content=raw, headers={"Content-Type": ctype})
+            assert r.status_code == 200, (ctype, r.text)
     server.wait_idle()

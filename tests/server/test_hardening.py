@@ -25,6 +25,39 @@ def test_other_routes_answer_in_openai_shape(server: ServerThread) -> None:
     assert r.status_code == 404 and r.json()["error"]["message"]
     r = httpx.get(server.base_url + "/v1/completions", headers=AUTH)
     assert r.status_code == 405 and r.json()["error"]["message"]
+    assert r.headers["allow"] == "POST"  # Starlette's, kept by our error shape
+
+
+def test_an_unhandled_error_is_a_500_logged_once(server: ServerThread,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our log line (with the request id the client is given), and not uvicorn's as well."""
+    import logging
+
+    def broken(name: str | None) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(server.app.state.server, "check_model", broken)
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    keep = Keep()
+    loggers = [logging.getLogger("pagedllm"), logging.getLogger("uvicorn.error")]
+    for lg in loggers:
+        lg.addHandler(keep)
+    try:
+        r = _post(server, "/v1/completions", {"prompt": "t5", "max_tokens": 1})
+        time.sleep(0.5)  # uvicorn would log after the response is out
+    finally:
+        for lg in loggers:
+            lg.removeHandler(keep)
+    assert r.status_code == 500, r.text
+    _generic(r.json()["error"]["message"], r.json())
+    logged = [x for x in records if x.exc_info and "injected" in str(x.exc_info[1])]
+    assert len(logged) == 1, [x.getMessage() for x in logged]
+    assert r.json()["error"]["message"].split("request id ")[1].split(")")[0] in logged[0].getMessage()
 
 
 def _wait_aborted(server: ServerThread, n: int, timeout: float = 20.0) -> None:
