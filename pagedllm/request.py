@@ -65,6 +65,7 @@ class Request:
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     first_token_time: float | None = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     # False: preempted by recompute whatever preemption_mode says (beams, pagedllm.engine.beam)
     swappable: bool = True
     # speculative decoding: tokens proposed to follow ``token_ids``, verified by the next step

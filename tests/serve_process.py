@@ -21,3 +21,27 @@ def serve_process(*args: str, timeout: float = 90) -> Iterator[tuple[subprocess.
     env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDLLM_LOG_LEVEL": "WARNING"}
     with serve_subprocess(list(args), timeout=timeout, env=env) as running:
         yield running
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # after "(comm)": state, ppid
+        if ppid == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited

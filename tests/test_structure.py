@@ -121,3 +121,42 @@ def test_no_file_over_400_lines() -> None:
             if "attention/triton" not in p.as_posix()
             and (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+# What the server may know of the engine: the client and its plain-data messages, the records
+# (StepStats) and outputs; never the scheduler, the KV manager, the runner or a live Request.
+SERVER_FORBIDDEN = ("pagedllm.engine.core", "pagedllm.engine.core_proc", "pagedllm.engine.snapshot",
+                    "pagedllm.engine.output", "pagedllm.engine.beam", "pagedllm.sched.scheduler",
+                    "pagedllm.kv.manager", "pagedllm.kv.block_pool", "pagedllm.kv.snapshot",
+                    "pagedllm.request", "pagedllm.runner", "pagedllm.executor")
+ENGINE_HANDLES = {"engine", "call_sync", "call_soon"}  # a live engine, closures run on it
+ENGINE_PARTS = {"scheduler", "kv", "runner", "executor", "structured"}
+
+
+def _name(node: ast.expr) -> str:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+
+
+def _reaches_in(node: ast.Attribute) -> bool:
+    """``x.engine`` read, or an engine part read off anything but a config (``config.scheduler``)
+    or a StepStats record (``stats.kv``: block counts)."""
+    if not isinstance(node.ctx, ast.Load):
+        return False
+    if node.attr in ENGINE_HANDLES:
+        return True
+    return node.attr in ENGINE_PARTS and _name(node.value) not in ("config", "stats", "s")
+
+
+def test_server_modules_use_the_engine_client_only() -> None:
+    modules = _modules()
+    bad = []
+    for name, path in modules.items():
+        if not name.startswith("pagedllm.server"):
+            continue
+        for m in _imports(name, path, modules):
+            if any(m == f or m.startswith(f + ".") for f in SERVER_FORBIDDEN):
+                bad.append(f"{name} imports {m}")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and _reaches_in(node):
+                bad.append(f"{name}:{node.lineno} reads .{node.attr}")
+    assert not bad, "the server reaches into the engine (use the EngineClient): " + "; ".join(bad)

@@ -119,12 +119,17 @@ def _tree_cpu_s() -> float | None:
     stats = proc_stats()
     if not stats:
         return None
-    tree, grew = {os.getpid()}, True
+    return sum(stats[p][2] for p in process_tree(os.getpid(), stats)) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(pid: int, stats: dict[int, tuple[int, int, int]]) -> set[int]:
+    """``pid`` and its live descendants, among ``stats`` (``proc_stats()``)."""
+    tree, grew = {pid}, True
     while grew:
         new = {p for p, (parent, _, _) in stats.items() if parent in tree} - tree
         tree |= new
         grew = bool(new)
-    return sum(stats[p][2] for p in tree if p in stats) / os.sysconf("SC_CLK_TCK")
+    return tree & stats.keys()
 
 
 def _die_with_parent() -> None:

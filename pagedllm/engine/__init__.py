@@ -4,6 +4,12 @@
     input.py    prompts -> token ids (tokenize, validate), the n fan-out of a request
     output.py   detokenization, stop strings, logprobs, RequestOutputs (cumulative, delta, final)
     beam.py     beam search as a kind of request, advanced inside step()
+
+    messages.py     EngineCoreRequest / EngineCoreOutputs: plain data (msgspec) to and from the core
+    core_proc.py    EngineCore (LLMEngine behind messages), the busy loop, the core process
+    client.py       EngineClient: the one async interface of the server (client_inproc.py: the
+                    core in a thread; client_mp.py: in its own process over ZMQ)
+    snapshot.py     the /kv inspector's snapshot, a named call run on the core
 """
 
 from pagedllm.engine.core import LLMEngine

@@ -221,6 +221,7 @@ class OutputProcessor:
                                  default=None),
             finished_time=now if finished else None,
             num_preemptions=sum(r.num_preemptions for r in reqs),
+            num_cached_tokens=first.num_cached_tokens or 0,
         )
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, prompt_lps,
                              outs, finished, metrics)

@@ -274,6 +274,7 @@ class Scheduler:
                 continue
             heapq.heappop(self.waiting)
             self.kv.record_prefix_query(req.num_tokens, computed)
+            req.num_cached_tokens = computed if req.num_cached_tokens is None else req.num_cached_tokens
             req.num_computed_tokens = computed
             req.status = RequestStatus.RUNNING
             self._insert_running(req)

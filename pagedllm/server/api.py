@@ -1,10 +1,11 @@
-"""The OpenAI-compatible FastAPI app: ``build_app(engine, ...)``.
+"""The OpenAI-compatible FastAPI app: ``build_app(engine or client, ...)``.
 
 Every request body is read by hand (size limit, strict UTF-8, strict JSON) and validated by the
 strict pydantic models of ``protocol``; every refusal is an OpenAI-shaped error
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status naming the field. Requests
-are handed to the one ``AsyncEngine``; a client that goes away (mid-stream or while waiting for a
-non-streamed answer) aborts its requests, so their KV blocks return to the pool.
+are handed to the one ``EngineClient`` (``pagedllm.engine.client``); a client that goes away
+(mid-stream or while waiting for a non-streamed answer) aborts its requests in the engine core,
+so their KV blocks return to the pool.
 
 This module holds the app itself (lifespan, exception handlers, routes); request handling and
 validation live in ``serving``, response shaping and SSE streaming in ``responses``.
@@ -35,6 +36,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedllm import __version__
 from pagedllm.chat import check_chat_template_kwargs, load_chat_template
 from pagedllm.engine import LLMEngine
+from pagedllm.engine.client import EngineClient
+from pagedllm.engine.client_inproc import InProcessClient
 from pagedllm.logging_utils import init_logger
 from pagedllm.server.fields import check_extras, structured_outputs
 from pagedllm.server.inspector import KVInspector
@@ -89,14 +92,16 @@ __all__ = ["APIError", "ServerLimits", "build_app"]
 logger = init_logger(__name__)
 
 
-def build_app(engine: LLMEngine, *, model_name: str | list[str] | None = None,
+def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] | None = None,
               api_key: str | None = None,
               limits: ServerLimits | None = None, batch_wait_ms: float = 0.0,
               disable_docs: bool = False, kv_inspector: bool = False,
               kv_inspector_show_text: bool = False,
               tool_call_parser: str | None = None,
               chat_template: str | None = None, log_requests: bool = False) -> FastAPI:
-    """The app for one engine. The engine thread starts and stops with the app's lifespan.
+    """The app for one engine: an ``EngineClient`` (``pagedllm serve`` passes an ``MPClient``,
+    the core in its own process), or an ``LLMEngine``, served by an ``InProcessClient`` (a core
+    thread). The client starts and stops with the app's lifespan.
     ``model_name``: the served name, or several (each accepted, the first in responses; default:
     the model path as given, ``default_model`` for the shipped model). The docs pages (/docs, /redoc, /openapi.json) need the API key when there is
     one, and are not served at all with ``disable_docs``; /health and /metrics stay open.
@@ -109,14 +114,15 @@ def build_app(engine: LLMEngine, *, model_name: str | list[str] | None = None,
     if tool_call_parser not in (None, *PARSERS):
         raise ValueError(f"--tool-call-parser {tool_call_parser!r}: choose {', '.join(PARSERS)}")
     names = [model_name] if isinstance(model_name, str) else list(model_name or [])
-    srv = _Server(engine, names[0] if names else served_model_name(engine.config.model.model),
-                  api_key, limits or ServerLimits(), batch_wait_ms)
+    client = engine if isinstance(engine, EngineClient) else InProcessClient(engine, batch_wait_ms)
+    srv = _Server(client, names[0] if names else served_model_name(client.config.model.model),
+                  api_key, limits or ServerLimits())
     srv.aliases.update(names)  # several names (--served-model-name A B): each is accepted
     inspector = KVInspector(srv.async_engine, kv_inspector_show_text) if kv_inspector else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        srv.async_engine.start()
+        await srv.async_engine.start()
         if inspector is not None:
             inspector.start()
         try:
@@ -130,7 +136,7 @@ def build_app(engine: LLMEngine, *, model_name: str | list[str] | None = None,
                   docs_url=None, redoc_url=None)  # served below, behind the key
     install_openapi(app, bearer=api_key is not None)
     app.state.server = srv
-    app.state.engine = engine
+    app.state.engine = engine if isinstance(engine, LLMEngine) else None  # tests' shortcut
     app.state.async_engine = srv.async_engine
     app.state.metrics = srv.metrics
     app.state.kv_inspector = inspector

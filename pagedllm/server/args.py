@@ -26,6 +26,9 @@ class ServerArgs:
         "shipped model)", group=S)
     batch_wait_ms: float = setting(
         0.0, "how long the engine loop may wait for more arrivals before a step", group=S)
+    engine_in_process: bool = setting(
+        False, "run the engine core as a thread of the server process instead of in its own "
+        "process (the model's steps then share the GIL with HTTP; for debugging)", group=S)
     max_request_bytes: int = setting(1 << 20, "largest request body", group=S)
     max_n: int = setting(16, "largest n per request", group=S)
     max_tokens_limit: int | None = setting(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import os
 import signal
 import socket
@@ -40,6 +39,8 @@ def register(subparsers: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine import LLMEngine
+    from pagedllm.engine.client_mp import MPClient
+    from pagedllm.engine.heap import freeze_startup_heap
     from pagedllm.server.api import ServerLimits, build_app
     from pagedllm.server.drain import DrainingServer
 
@@ -49,7 +50,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model_pos is not None:
         engine_args = dataclasses.replace(engine_args, model=args.model_pos)
     api_key = srv.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
-    engine = LLMEngine.from_engine_args(engine_args)
+    # The engine core runs in its own process (started with the app, pagedllm/engine/core_proc.py)
+    # unless --engine-in-process; a bad setting fails here, before any process starts.
+    config = engine_args.create_engine_config()
+    engine: LLMEngine | MPClient = (LLMEngine.from_engine_args(engine_args) if srv.engine_in_process
+                                    else MPClient(engine_args, config, srv.batch_wait_ms))
     name = srv.served_model_name
     if name is None and engine_args.model and not Path(engine_args.model).exists():
         name = engine_args.model  # a Hugging Face id: served by that name, not its cache path
@@ -59,15 +64,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     kv_inspector_show_text=srv.kv_inspector_show_text,
                     tool_call_parser=srv.tool_call_parser,
                     chat_template=srv.chat_template, log_requests=srv.enable_log_requests)
-    # The model, tokenizer and modules live as long as the process: keep them out of Python's
-    # cyclic GC, so a full collection (automatic, or the idle release's, _malloc.IdleRelease)
-    # scans only what serving created: ~0 ms instead of ~500 ms for ~390,000 startup objects.
-    gc.collect()
-    gc.freeze()
     if srv.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {srv.host} without --api-key", flush=True)
     # SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to --drain-timeout,
-    # then end the rest with a 503 (server/drain.py) and stop the engine. uvicorn re-raises the
+    # then end the rest with a 503 (server/drain.py) and stop the engine (the core process
+    # ignores both signals and stops when the server tells it to, or when the server is gone). uvicorn re-raises the
     # signal afterwards to the handler it found; a no-op one makes the drain exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
@@ -79,8 +80,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = f"[{srv.host}]" if ":" in srv.host else srv.host
     print(f"pagedllm serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True)
     server = DrainingServer(app, srv.drain_timeout, log_level=srv.log_level)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        gc.unfreeze()  # let the interpreter's exit free them as usual
+    freeze_startup_heap()  # the app, the tokenizer, the modules: never walked by a collection
+    server.run(sockets=[sock])
     return 0 if server.started else 3  # uvicorn's STARTUP_FAILURE

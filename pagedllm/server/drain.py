@@ -17,8 +17,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from pagedllm.engine.client import ServerShuttingDown
 from pagedllm.logging_utils import init_logger
-from pagedllm.server.async_engine import ServerShuttingDown
 
 logger = init_logger(__name__)
 

@@ -1,9 +1,10 @@
 """Prometheus metrics, named after vLLM's (``vllm:`` -> ``pagedllm:``) so dashboards carry over.
 
-Everything comes from the engine's per-step records (``pagedllm.sched.stats.StepStats``): the
-gauges and engine counters from the latest record at scrape time (the engine refreshes it when an
-abort changes its state outside a step, so an idle engine reads true), the token counters and
-latency histograms from each step's record as the engine thread finishes the step (``on_step``).
+Everything comes from the engine core's per-step records (``pagedllm.sched.stats.StepStats``),
+as its client receives them: the gauges and engine counters from the latest record at scrape time
+(the core sends a fresh one when an abort changes its state outside a step, so an idle engine
+reads true), the token counters and latency histograms from each step's record as it arrives
+(``on_step``, a listener of the client).
 
 Every app gets its own ``CollectorRegistry``: several servers in one process do not clash.
 """
@@ -18,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from pagedllm.engine import LLMEngine
+    from pagedllm.engine.client import EngineClient
     from pagedllm.sched.stats import StepStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -30,14 +31,14 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class _EngineStateCollector(Collector):
-    """Reads the engine's own counters at scrape time (plain int/float reads: safe off-thread)."""
+    """Reads the engine core's latest record at scrape time (held by the client)."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
-        self.engine = engine
+    def __init__(self, client: EngineClient, model_name: str) -> None:
+        self.client = client
         self.model_name = model_name
 
     def collect(self) -> Iterable[Metric]:
-        e, labels = self.engine, [self.model_name]
+        labels = [self.model_name]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -49,7 +50,7 @@ class _EngineStateCollector(Collector):
             c.add_metric(labels, value)
             return c
 
-        s = e.stats  # the latest record: replaced whole by the engine thread, read as it is
+        s = self.client.stats  # the latest record, replaced whole as the core sends one
         yield gauge("pagedllm:num_requests_running", "Sequences in the running batch.", s.num_running)
         yield gauge("pagedllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
         yield gauge("pagedllm:num_requests_swapped", "Sequences swapped out to the host tier.",
@@ -61,7 +62,7 @@ class _EngineStateCollector(Collector):
         yield counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       s.prefix_cache_hits)
         yield counter("pagedllm:num_preemptions", "Preemptions since start-up.", s.num_preemptions)
-        if e.spec is not None:  # speculative decoding (vLLM's names)
+        if self.client.config.speculative is not None:  # speculative decoding (vLLM's names)
             t = s.spec_total
             yield counter("pagedllm:spec_decode_num_drafts", "Verifications of proposed tokens.",
                           t.num_drafts)
@@ -72,9 +73,9 @@ class _EngineStateCollector(Collector):
 
 
 class ServerMetrics:
-    """Counters and histograms of one server; ``on_step`` runs on the engine thread."""
+    """Counters and histograms of one server; ``on_step`` runs as each step's record arrives."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, client: EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, lab = self.registry, ["model_name"]
@@ -88,10 +89,10 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("pagedllm:e2e_request_latency_seconds", "Arrival to last token.", lab,
                              buckets=E2E_BUCKETS, registry=r)
-        self.registry.register(_EngineStateCollector(engine, model_name))
+        self.registry.register(_EngineStateCollector(client, model_name))
 
     def on_step(self, stats: StepStats) -> None:
-        """Count one step's tokens and observe its latencies (on the engine thread)."""
+        """Count one step's tokens and observe its latencies."""
         m = self.model_name
         self.prompt_tokens.labels(m).inc(stats.num_prompt_tokens)
         self.generation_tokens.labels(m).inc(stats.num_generation_tokens)

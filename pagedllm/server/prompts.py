@@ -1,7 +1,7 @@
 """Prompt sources for the OpenAI app: a completion prompt (text, ids, or a batch of them) or a
-chat conversation becomes functions run on the engine thread, which tokenize (the tokenizer stays
-single-threaded, the event loop free) and check the prompt against --max-prompt-tokens and the
-context."""
+chat conversation becomes functions run on the engine client's tokenizer thread, which tokenize
+(the tokenizer stays single-threaded, the event loop free) and check the prompt against
+--max-prompt-tokens and the context."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.chat import render_chat
-from pagedllm.engine import LLMEngine, PromptType
-from pagedllm.server.async_engine import PromptSource
+from pagedllm.engine import PromptType
+from pagedllm.engine.client import FrontEnd, PromptSource
 from pagedllm.server.serving import APIError, _FieldError, _Server
 
 
@@ -24,7 +24,7 @@ class Budget:
 
 
 def _check_prompt(srv: _Server, ids: list[int], param: str, budget: Budget) -> None:
-    """On the engine thread, once the prompt's length is known: --max-prompt-tokens, and the
+    """On the tokenizer thread, once the prompt's length is known: --max-prompt-tokens, and the
     prompt plus an explicit max_tokens must fit the context (vLLM's message)."""
     lim = srv.limits.max_prompt_tokens
     if lim is not None and len(ids) > lim:
@@ -41,7 +41,7 @@ def _check_prompt(srv: _Server, ids: list[int], param: str, budget: Budget) -> N
 
 def _completion_prompts(srv: _Server, prompt: str | list[str] | list[int] | list[list[int]],
                         budget: Budget) -> tuple[list[str], list[PromptSource]]:
-    """(texts for echo, prompt sources). Strings are tokenized on the engine thread."""
+    """(texts for echo, prompt sources). Strings are tokenized on the tokenizer thread."""
     items: list[str | list[int]]
     if isinstance(prompt, str):
         items = [prompt]
@@ -66,7 +66,7 @@ def _completion_prompts(srv: _Server, prompt: str | list[str] | list[int] | list
 
 
 def _text_prompt(srv: _Server, text: str, budget: Budget) -> PromptSource:
-    def prepare(engine: LLMEngine) -> PromptType:
+    def prepare(engine: FrontEnd) -> PromptType:
         ids = engine.tokenizer.encode(text)
         _check_prompt(srv, ids, "prompt", budget)
         return {"prompt_token_ids": ids}
@@ -75,7 +75,7 @@ def _text_prompt(srv: _Server, text: str, budget: Budget) -> PromptSource:
 
 
 def _ids_prompt(srv: _Server, ids: list[int], budget: Budget) -> PromptSource:
-    def prepare(engine: LLMEngine) -> PromptType:
+    def prepare(engine: FrontEnd) -> PromptType:
         _check_prompt(srv, ids, "prompt", budget)
         return {"prompt_token_ids": ids}
 
@@ -85,7 +85,7 @@ def _ids_prompt(srv: _Server, ids: list[int], budget: Budget) -> PromptSource:
 def _chat_prompt(srv: _Server, messages: list[dict[str, Any]], budget: Budget,
                  **render: Any) -> PromptSource:
     """``render``: ``pagedllm.chat.render_chat``'s keywords (tools, template, its kwargs)."""
-    def prepare(engine: LLMEngine) -> PromptType:
+    def prepare(engine: FrontEnd) -> PromptType:
         ids = render_chat(engine.tokenizer, messages, **render)
         _check_prompt(srv, ids, "messages", budget)
         return {"prompt_token_ids": ids}

@@ -17,8 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from pagedllm.engine.client import EngineError, OutputStream
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.server.async_engine import EngineError, OutputStream
 from pagedllm.server.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,

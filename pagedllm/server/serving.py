@@ -3,9 +3,10 @@
 ``ServerLimits`` and ``APIError`` (an OpenAI-shaped refusal); reading a body by hand (size limit,
 strict UTF-8, strict JSON, no lone surrogates) and validating it against ``protocol``'s strict
 models; ``_Server``, the per-app state that checks auth and model name, turns request fields into
-``SamplingParams``, submits to the ``AsyncEngine`` and collects a non-streamed answer (aborting if
+``SamplingParams``, submits to the ``EngineClient`` and collects a non-streamed answer (aborting if
 the client goes away); ``engine_failure``, what a client is told when the engine fails. The
-prompt sources, which tokenize and check length on the engine thread, are in ``prompts``.
+prompt sources, which tokenize and check length on the client's tokenizer thread, are in
+``prompts``.
 """
 
 from __future__ import annotations
@@ -27,19 +28,18 @@ from pydantic import BaseModel, ValidationError
 
 from pagedllm.checks import lone_surrogate
 from pagedllm.config import default_model_path
-from pagedllm.engine import LLMEngine
-from pagedllm.logging_utils import init_logger
-from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from pagedllm.server.args import ServerArgs
-from pagedllm.server.async_engine import (
-    AsyncEngine,
+from pagedllm.engine.client import (
+    EngineClient,
     EngineError,
     EngineUnavailable,
     OutputStream,
     PromptSource,
     ServerShuttingDown,
 )
+from pagedllm.logging_utils import init_logger
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pagedllm.server.args import ServerArgs
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import ErrorInfo, ErrorResponse, _SamplingFields
 
@@ -82,7 +82,7 @@ class _ClientGone(Exception):
 
 
 class _FieldError(ValueError):
-    """A refusal found on the engine thread that names its request field."""
+    """A refusal found while preparing a prompt that names its request field."""
 
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
@@ -211,19 +211,19 @@ def _nonfinite(name: str, value: float | None) -> None:
 
 
 class _Server:
-    """Request handling state for one app (engine, limits, names)."""
+    """Request handling state for one app (engine client, limits, names)."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, api_key: str | None, limits: ServerLimits,
-                 batch_wait_ms: float) -> None:
-        self.engine = engine
+    def __init__(self, client: EngineClient, model_name: str, api_key: str | None,
+                 limits: ServerLimits) -> None:
         self.model_name = model_name
         self.aliases = {model_name, Path(model_name).name}
         self.api_key = api_key
         self.limits = limits
-        self.max_model_len = engine.config.scheduler.max_model_len
-        self.vocab_size = engine.config.model.vocab_size
-        self.metrics = ServerMetrics(engine, model_name)
-        self.async_engine = AsyncEngine(engine, self.metrics, batch_wait_ms)
+        self.max_model_len = client.config.scheduler.max_model_len
+        self.vocab_size = client.config.model.vocab_size
+        self.metrics = ServerMetrics(client, model_name)
+        client.stats_listeners.append(self.metrics.on_step)
+        self.async_engine = client
 
     # -- checks ------------------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -258,7 +258,7 @@ class _Server:
                      "repetition_penalty"):
             _nonfinite(name, getattr(req, name))
         # what the request leaves out: the model's generation_config defaults (--generation-config)
-        default = self.engine.generation_defaults.sampling
+        default = self.async_engine.frontend.generation_defaults.sampling
         top_k = req.top_k if req.top_k is not None else default.get("top_k")
         if top_k is not None and top_k >= self.vocab_size:
             top_k = 0  # keeping the whole vocabulary is no top-k at all
@@ -309,7 +309,7 @@ class _Server:
         from pagedllm.structured import GrammarError
 
         try:
-            await asyncio.to_thread(self.engine.structured.compiler.compile, so)
+            await asyncio.to_thread(self.async_engine.frontend.compiler.compile, so)
         except GrammarError as e:
             where = field if field != "structured_outputs" else f"structured_outputs.{e.field}"
             raise APIError(400, f"{where}: {e.problem}", param=field,

@@ -1,16 +1,16 @@
 """vLLM's ``/tokenize`` and ``/detokenize``: a prompt (or chat messages through the chat
-template) -> token ids, and ids -> text, with the engine's own tokenizer, on the engine thread."""
+template) -> token ids, and ids -> text, with the model's tokenizer, on the engine client's
+tokenizer thread."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 
 from pagedllm.chat import render_chat
 from pagedllm.checks import check_token_ids
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.client import FrontEnd
 from pagedllm.server.openapi import REFUSALS, answers, request_body
 from pagedllm.server.protocol import (
     DetokenizeRequest,
@@ -27,7 +27,7 @@ def add_tokenize_routes(app: FastAPI, srv: _Server, chat_template: str | None) -
 
     async def on_engine(fn: Any) -> Any:
         try:
-            return await asyncio.to_thread(srv.async_engine.call_sync, fn)
+            return await srv.async_engine.run_on_tokenizer_thread(fn)
         except ValueError as e:
             raise APIError(400, str(e), param=_param(str(e))) from None
 
@@ -45,7 +45,7 @@ def add_tokenize_routes(app: FastAPI, srv: _Server, chat_template: str | None) -
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
 
-        def run(engine: LLMEngine) -> dict[str, Any]:
+        def run(engine: FrontEnd) -> dict[str, Any]:
             tok = engine.tokenizer
             if messages is not None:
                 ids = render_chat(tok, messages, add_generation_prompt=req.add_generation_prompt,
@@ -66,7 +66,7 @@ def add_tokenize_routes(app: FastAPI, srv: _Server, chat_template: str | None) -
         req = _validate(DetokenizeRequest, await _read_json(request, srv.limits.max_request_bytes))
         srv.check_model(req.model)
 
-        def run(engine: LLMEngine) -> dict[str, Any]:
+        def run(engine: FrontEnd) -> dict[str, Any]:
             check_token_ids("tokens", req.tokens, engine.config.model.vocab_size)
             return {"prompt": engine.tokenizer.decode(req.tokens)}
 

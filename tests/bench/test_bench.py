@@ -255,7 +255,7 @@ def test_bench_kernel_cli(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def live_server(model: Path) -> Iterator[ServerThread]:
-    """The real OpenAI server (uvicorn + AsyncEngine) in-process on a loopback port."""
+    """The real OpenAI server (uvicorn + the in-process EngineClient) in-process on a loopback port."""
     from pagedllm.engine import LLMEngine
     from pagedllm.server.api import ServerLimits, build_app
 

@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 from server_helpers import API_KEY, ServerThread
 
+from pagedllm.engine.snapshot import kv_snapshot
+
 # 12 words = 12 tokens = 3 blocks of 4 (no word starts with a special token's text, t0..t3)
 SYSTEM = " ".join(f"t{i}" for i in range(50, 62))
 
@@ -76,7 +78,7 @@ def paused(server: ServerThread, want: Any) -> Iterator[dict[str, Any]]:
         if not want(engine):
             return False
         engine.check_integrity()
-        box["snapshot"] = inspector.capture(engine)
+        box["snapshot"] = kv_snapshot(engine, inspector.show_text)
         box["kv_stats"] = engine.kv_stats()
         pool = engine.kv.pool  # the pool's own counts, beside kv_stats()'s
         box["pool"] = {"num_blocks": pool.num_blocks, "free_blocks": pool.num_free_blocks,

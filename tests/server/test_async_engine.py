@@ -1,4 +1,5 @@
-"""AsyncEngine without HTTP: the batching window and shutdown with requests in flight."""
+"""The in-process EngineClient without HTTP: the batching window and shutdown with requests in
+flight."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from pagedllm.engine import LLMEngine
+from pagedllm.engine.client import OutputStream, ServerShuttingDown
+from pagedllm.engine.client_inproc import InProcessClient
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.server.async_engine import AsyncEngine, OutputStream, RequestAborted
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +41,8 @@ def test_batch_window_lets_a_late_arrival_join_the_first_step(chat_model: Path) 
     engine.step = step  # type: ignore[method-assign]
 
     async def main() -> None:
-        ae = AsyncEngine(engine, batch_wait_ms=60_000)
-        ae.start()
+        ae = InProcessClient(engine, batch_wait_ms=60_000)
+        await ae.start()
         sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
         streams = {rid: OutputStream() for rid in ("a", "b")}
         await ae.add_request("a", [5, 6, 7], sp, streams["a"])
@@ -61,8 +63,8 @@ def test_batch_window_lets_a_late_arrival_join_the_first_step(chat_model: Path) 
 
 def test_shutdown_aborts_in_flight_requests(engine: LLMEngine) -> None:
     async def main() -> None:
-        ae = AsyncEngine(engine)
-        ae.start()
+        ae = InProcessClient(engine)
+        await ae.start()
         stream = OutputStream()
         await ae.add_request("long", [5, 6], SamplingParams(max_tokens=120, ignore_eos=True), stream)
         with pytest.raises(ValueError, match="empty"):
@@ -70,7 +72,7 @@ def test_shutdown_aborts_in_flight_requests(engine: LLMEngine) -> None:
         it = stream.__aiter__()
         await it.__anext__()
         await ae.shutdown()
-        with pytest.raises(RequestAborted):
+        with pytest.raises(ServerShuttingDown):
             while True:
                 await it.__anext__()
 
@@ -81,15 +83,17 @@ def test_shutdown_aborts_in_flight_requests(engine: LLMEngine) -> None:
 
 
 def test_the_engine_loop_releases_memory_once_it_idles_never_per_step(engine: LLMEngine) -> None:
-    """The loop hands its idle spells to IdleRelease: no release while steps run, one (after the
-    last step) once a wait for work runs out, none more while it stays idle."""
+    """The core loop hands its idle spells to IdleRelease: no release while steps run, one
+    (after the last step) once a wait for work runs out, none more while it stays idle."""
     from pagedllm._malloc import IdleRelease
 
     async def main() -> tuple[list[int], int]:
-        ae = AsyncEngine(engine)
-        at_step: list[int] = []  # ae.num_steps at each release
-        ae.idle_release = IdleRelease(after_s=0.3, release=lambda: at_step.append(ae.num_steps))
-        ae.start()
+        ae = InProcessClient(engine)
+        await ae.start()
+        at_step: list[int] = []  # the loop's steps at each release
+        assert ae._core_loop is not None
+        ae._core_loop.idle_release = IdleRelease(after_s=0.3,
+                                                 release=lambda: at_step.append(ae.num_steps))
         for rid in ("a", "b"):
             stream = OutputStream()
             await ae.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True), stream)

@@ -1,0 +1,361 @@
+"""The engine core behind a message boundary, and its busy loop (in a thread, or in its own
+process for ``pagedllm serve``).
+
+::
+
+    front end ── ToCore messages ──▶ CoreLoop: drain inputs ─▶ (batch window) ─▶ step ─┐
+        ▲                                 ▲                                              │
+        └──────── FromCore messages ──────┴──────────── EngineCoreOutputs ◀──────────────┘
+
+``EngineCore`` turns messages into ``LLMEngine`` calls and ``RequestOutput``s into
+``EngineCoreOutput``s; ``CoreLoop`` is the loop over a ``Transport`` (a queue pair in one
+process, two ZMQ PUSH/PULL sockets between processes; ``run_core_process`` is the process's
+entry point). Only the loop's thread touches the engine. Tensor-parallel workers are started by
+the engine's executor, so they are children of the core.
+
+A request is ended by the core alone: finished by a step, refused at admission (``Rejected``),
+aborted by the front end (``Abort``; a stop string found by a front end arrives as one), failed
+with its step (``error="failed"``) or by the core stopping (``error="shutdown"``). A step that
+raises fails the requests in flight and the loop keeps going; a fatal error (a lost TP rank) or
+a broken loop sends ``CoreDead`` and ends the loop.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pagedllm._malloc import IdleRelease
+from pagedllm.engine.heap import freeze_startup_heap
+from pagedllm.engine.messages import (
+    Abort,
+    Accepted,
+    CompletionDelta,
+    CoreDead,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FromCore,
+    Rejected,
+    Shutdown,
+    ToCore,
+    UtilityCall,
+    UtilityResult,
+)
+from pagedllm.engine.snapshot import kv_snapshot
+from pagedllm.logging_utils import init_logger
+from pagedllm.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from pagedllm.args import EngineArgs
+    from pagedllm.engine.core import LLMEngine
+
+logger = init_logger(__name__)
+
+PARENT_CHECK_S = 1.0  # an idle core looks this often whether its front end still exists
+
+
+def _integrity(engine: LLMEngine) -> list[int]:
+    """Checks the KV invariants (raises if broken); [free blocks, total blocks]."""
+    engine.check_integrity()
+    return [engine.kv.num_free_blocks, engine.kv.num_blocks]
+
+
+# The named calls a front end may make (no closures cross the boundary). Each takes the engine
+# and plain-data arguments and returns plain data.
+UTILITIES: dict[str, Callable[..., Any]] = {
+    "kv_stats": lambda e: e.kv_stats(),
+    "kv_snapshot": kv_snapshot,
+    "prefix_cache_stats": lambda e: e.prefix_cache_stats(),
+    "defragment": lambda e: e.defragment(),
+    "num_unfinished_requests": lambda e: e.get_num_unfinished_requests(),
+    "check_integrity": _integrity,
+}
+
+
+class EngineCore:
+    """An ``LLMEngine`` driven by messages. Not thread-safe: one loop owns it."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.live: set[str] = set()  # accepted requests the core has not ended yet
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def add(self, req: EngineCoreRequest) -> Accepted | Rejected:
+        if req.lora_id is not None or req.kv_transfer_params is not None:
+            return Rejected(req.request_id, "lora_id and kv_transfer_params are not supported yet")
+        try:
+            self.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids},
+                                    req.sampling_params, priority=req.priority,
+                                    arrival_time=req.arrival_time)
+        except ValueError as e:
+            return Rejected(req.request_id, str(e))
+        except Exception as e:  # noqa: BLE001 - the request fails, the core keeps serving
+            logger.exception("add_request %s failed", req.request_id)
+            return Rejected(req.request_id, f"{type(e).__name__}: {e}", internal=True)
+        self.live.add(req.request_id)
+        return Accepted(req.request_id)
+
+    def abort(self, request_ids: list[str]) -> EngineCoreOutputs | None:
+        """Abort (idempotent); a stats snapshot if anything was aborted."""
+        changed = False
+        for rid in request_ids:
+            if rid in self.live:
+                self.live.discard(rid)
+                changed |= self.engine.abort_request(rid)
+        return EngineCoreOutputs(stats=self.engine.stats, step=False) if changed else None
+
+    def utility(self, call: UtilityCall) -> UtilityResult:
+        fn = UTILITIES.get(call.name)
+        if fn is None:
+            return UtilityResult(call.call_id, error=f"unknown utility call {call.name!r}; "
+                                 f"choose one of {', '.join(UTILITIES)}", error_type="ValueError")
+        try:
+            return UtilityResult(call.call_id, result=fn(self.engine, *call.args))
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}",
+                                 error_type=type(e).__name__)
+
+    def step(self) -> EngineCoreOutputs:
+        """One engine step. A step that raises fails every request in flight (their blocks are
+        freed) unless the error is fatal, which is raised."""
+        try:
+            outs = self.engine.step()
+        except Exception as e:
+            if getattr(e, "fatal", False):
+                raise
+            logger.exception("engine step failed; failing the %d requests in flight: %s",
+                             len(self.live), ", ".join(sorted(self.live)))
+            return self.fail_all("failed", f"the engine step failed: {type(e).__name__}: {e}")
+        msgs = []
+        for out in outs:
+            if out.request_id in self.live:
+                msgs.append(to_message(out))
+                if out.finished:
+                    self.live.discard(out.request_id)
+        return EngineCoreOutputs(outputs=msgs, stats=self.engine.stats)
+
+    def fail_all(self, error: str, detail: str) -> EngineCoreOutputs:
+        """End every request with ``error``; every block goes back to the pool."""
+        msgs = [EngineCoreOutput(request_id=rid, finished=True, error=error, error_detail=detail)
+                for rid in sorted(self.live)]
+        self.live.clear()
+        for rid in self.engine.request_ids():
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - keep freeing the others
+                logger.exception("abort of %s failed", rid)
+        return EngineCoreOutputs(outputs=msgs, stats=self.engine.stats, step=False)
+
+
+def to_message(out: RequestOutput) -> EngineCoreOutput:
+    m = out.metrics
+    return EngineCoreOutput(
+        request_id=out.request_id,
+        outputs=[CompletionDelta(index=c.index, token_ids=list(c.token_ids), text=c.text,
+                                 cumulative_logprob=c.cumulative_logprob, logprobs=c.logprobs,
+                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                 for c in out.outputs],
+        finished=out.finished,
+        prompt_logprobs=out.prompt_logprobs,
+        num_cached_tokens=m.num_cached_tokens if m is not None else 0,
+        arrival_time=m.arrival_time if m is not None else 0.0,
+        first_token_time=m.first_token_time if m is not None else None,
+        finished_time=m.finished_time if m is not None else None,
+        num_preemptions=m.num_preemptions if m is not None else 0,
+    )
+
+
+class Transport(Protocol):
+    def recv(self, timeout_s: float | None) -> ToCore | None:
+        """The next message; None if none came within ``timeout_s`` (0: do not wait)."""
+
+    def send(self, msg: FromCore) -> None: ...
+
+
+class QueueTransport:
+    """Both ends in one process (``InProcessClient``): the messages themselves, no encoding."""
+
+    def __init__(self, deliver: Callable[[FromCore], None]) -> None:
+        self.inbox: queue.Queue[ToCore] = queue.Queue()
+        self.deliver = deliver
+
+    def recv(self, timeout_s: float | None) -> ToCore | None:
+        try:
+            if timeout_s == 0:
+                return self.inbox.get_nowait()
+            return self.inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def send(self, msg: FromCore) -> None:
+        self.deliver(msg)
+
+
+class CoreLoop:
+    """The busy loop: drain inputs, let late arrivals join (``batch_wait_s``), step, send."""
+
+    def __init__(self, core: EngineCore, transport: Transport, batch_wait_s: float = 0.0,
+                 alive: Callable[[], bool] = lambda: True) -> None:
+        self.core = core
+        self.transport = transport
+        self.batch_wait_s = batch_wait_s
+        self.alive = alive  # False once the front end is gone: the loop ends
+        self.num_steps = 0
+        # An idle spell gives back what the last burst freed (_malloc.IdleRelease: once, never
+        # per step); a test may swap it for one with a shorter delay before ``run``.
+        self.idle_release = IdleRelease()
+
+    def run(self) -> None:
+        """Until ``Shutdown`` (requests in flight end with error "shutdown") or a dead front end.
+        Raises after sending ``CoreDead`` if the engine fails for good."""
+        try:
+            while self._drain(block=not self.core.has_work()):
+                if self.core.has_work():
+                    self.transport.send(self.core.step())
+                    self.num_steps += 1
+                    self.idle_release.worked()
+        except BaseException as e:  # noqa: BLE001 - say why before going
+            logger.exception("the engine core loop died")
+            self.transport.send(CoreDead(f"{type(e).__name__}: {e}"))
+            raise
+        self.transport.send(self.core.fail_all("shutdown", "the engine core is shutting down"))
+
+    def _drain(self, block: bool) -> bool:
+        """Apply the queued messages (waiting for one while idle); False on Shutdown or when the
+        front end is gone."""
+        msg = self.transport.recv(self._idle_wait() if block else 0)
+        while msg is None and block:
+            if not self.alive():
+                logger.warning("the engine core's front end is gone; stopping")
+                return False
+            if self.idle_release.idle():
+                logger.debug("idle for %.1f s: freed memory given back in %.0f ms",
+                             self.idle_release.after_s, 1e3 * self.idle_release.last_s)
+            msg = self.transport.recv(self._idle_wait())
+        if msg is not None:
+            self.idle_release.worked()
+        new = False
+        while msg is not None:
+            if isinstance(msg, Shutdown):
+                return False
+            new |= self._apply(msg)
+            msg = self.transport.recv(0)
+        if new and self.batch_wait_s > 0:
+            return self._window()
+        return self.alive()
+
+    def _idle_wait(self) -> float:
+        """How long an idle loop blocks: until the front end is due a check, or the idle
+        release (whichever comes first)."""
+        due = self.idle_release.wait_s
+        return PARENT_CHECK_S if due is None else min(due, PARENT_CHECK_S)
+
+    def _window(self) -> bool:
+        """While the batch is small, give late arrivals up to ``batch_wait_s`` to join."""
+        deadline = time.monotonic() + self.batch_wait_s
+        sched = self.core.engine.scheduler
+        limit = self.core.engine.config.scheduler.max_num_seqs
+        while sched.num_running + sched.num_waiting < limit:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            msg = self.transport.recv(left)
+            if msg is None:
+                break
+            if isinstance(msg, Shutdown):
+                return False
+            self._apply(msg)
+        return True
+
+    def _apply(self, msg: ToCore) -> bool:
+        """One message; True if it added a request."""
+        if isinstance(msg, EngineCoreRequest):
+            reply = self.core.add(msg)
+            self.transport.send(reply)
+            return isinstance(reply, Accepted)
+        if isinstance(msg, Abort):
+            snap = self.core.abort(msg.request_ids)
+            if snap is not None:
+                self.transport.send(snap)
+        elif isinstance(msg, UtilityCall):
+            self.transport.send(self.core.utility(msg))
+        return False
+
+
+# -- the engine-core process ------------------------------------------------------------------------
+
+
+class ZmqTransport:
+    """The core's end of two ZMQ sockets: PULL for inputs, PUSH for outputs (the front end binds
+    both on IPC paths it owns)."""
+
+    def __init__(self, in_addr: str, out_addr: str) -> None:
+        import zmq
+
+        from pagedllm.engine.messages import encoder, to_core_decoder
+
+        self._zmq = zmq
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.connect(in_addr)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 5000)
+        self.push.connect(out_addr)
+        self.enc, self.dec = encoder(), to_core_decoder()
+
+    def recv(self, timeout_s: float | None) -> ToCore | None:
+        zmq = self._zmq
+        if timeout_s != 0 and not self.pull.poll(None if timeout_s is None else int(timeout_s * 1000)):
+            return None
+        try:
+            frame = self.pull.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        return self.dec.decode(frame.buffer)
+
+    def send(self, msg: FromCore) -> None:
+        self.push.send(self.enc.encode(msg), copy=False)
+
+    def close(self) -> None:
+        self.pull.close(0)
+        self.push.close()
+        self.ctx.term()
+
+
+def run_core_process(engine_args: EngineArgs, in_addr: str, out_addr: str,
+                     batch_wait_ms: float, parent_pid: int) -> None:
+    """The entry point of the engine-core process. SIGINT and SIGTERM are left to the front
+    end, which drains and then sends ``Shutdown``; the core also stops when its parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from pagedllm.engine.core import LLMEngine
+    from pagedllm.engine.messages import Ready
+
+    transport = ZmqTransport(in_addr, out_addr)
+    engine = None
+    code = 0
+    try:
+        engine = LLMEngine.from_engine_args(engine_args)
+        freeze_startup_heap()
+        transport.send(Ready(os.getpid(), engine.kv.num_blocks, engine.stats))
+        loop = CoreLoop(EngineCore(engine), transport, batch_wait_ms / 1000.0,
+                        alive=lambda: os.getppid() == parent_pid)
+        loop.run()
+    except BaseException as e:  # noqa: BLE001 - logged; the exit code tells the front end
+        if engine is None:
+            logger.exception("the engine core failed to start")
+            transport.send(CoreDead(f"start-up failed: {type(e).__name__}: {e}"))
+        code = 1
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        transport.close()
+    sys.exit(code)

@@ -1,0 +1,158 @@
+"""The messages between a front end (the API server, tests) and the engine core: plain data,
+msgspec Structs, the same whether the core runs in a thread (``InProcessClient``) or in its own
+process over ZMQ (``MPClient``).
+
+::
+
+    front end                                        engine core
+    ─────────                                        ───────────
+    EngineCoreRequest (token ids, params) ───▶       add_request
+    Abort (ids)  ────────────────────────────▶       abort_request
+    UtilityCall (name, args) ────────────────▶       a named, read-mostly call (kv_stats, ...)
+    Shutdown ────────────────────────────────▶       abort the rest, stop TP workers, exit
+                         ◀─── Accepted / Rejected    per EngineCoreRequest
+                         ◀─── EngineCoreOutputs      per step: outputs + the step's StepStats
+                         ◀─── UtilityResult          per UtilityCall
+                         ◀─── Ready                  the core process is serving
+                         ◀─── CoreDead               the core's last word before it exits
+
+Nothing here holds a live ``Request``, scheduler or KV manager. ``SamplingParams``,
+``StepStats`` and ``Logprob`` are plain dataclasses, which msgspec encodes field by field and
+decodes through their own constructors (``SamplingParams.__post_init__`` checks them again).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pagedllm.request import Logprob
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.sched.stats import StepStats
+
+PositionLogprobs = dict[int, Logprob]
+
+
+class EngineCoreRequest(msgspec.Struct, tag=True, kw_only=True):
+    """A tokenized request. ``lora_id`` and ``kv_transfer_params`` are reserved for adapters and
+    prefill->decode transfer; the core refuses a request that sets them (nothing reads them yet)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float  # time.monotonic() of the front end (same host)
+    priority: int = 0
+    lora_id: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag=True):
+    """``name``: one of ``core_proc.UTILITIES``; ``args`` plain data."""
+
+    call_id: int
+    name: str
+    args: list[Any] = []
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class CompletionDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One sequence of a request (``index`` of n). With ``output_kind=DELTA`` (what the server
+    asks for) ``token_ids``, ``text`` and ``logprobs`` are what is new since the last output;
+    with CUMULATIVE, everything so far."""
+
+    index: int
+    token_ids: list[int]
+    text: str = ""
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One request's output of a step, or its end. ``error`` set: the core ended it without a
+    result ("failed": a failed step; "shutdown": the core is stopping), with ``error_detail`` for
+    the server log."""
+
+    request_id: str
+    outputs: list[CompletionDelta] = []
+    finished: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    error: str | None = None
+    error_detail: str = ""
+
+
+class EngineCoreOutputs(msgspec.Struct, tag=True, kw_only=True):
+    """A step's outputs and its stats record; ``step`` False for a state change outside a step
+    (aborts) whose ``stats`` is a snapshot without request events."""
+
+    outputs: list[EngineCoreOutput] = []
+    stats: StepStats | None = None
+    step: bool = True
+
+
+class Accepted(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class Rejected(msgspec.Struct, tag=True):
+    """``add_request`` refused the request: ``message`` is its ValueError (a 400 for the
+    client); ``internal`` an unexpected error (a 500)."""
+
+    request_id: str
+    message: str
+    internal: bool = False
+
+
+class UtilityResult(msgspec.Struct, tag=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+    error_type: str = ""  # "ValueError" is re-raised as one; anything else as RuntimeError
+
+
+class Ready(msgspec.Struct, tag=True):
+    """The core process built its engine and is serving."""
+
+    pid: int
+    num_kv_blocks: int
+    stats: StepStats
+
+
+class CoreDead(msgspec.Struct, tag=True):
+    """The core's engine loop failed for good (e.g. a lost tensor-parallel rank)."""
+
+    reason: str
+
+
+ToCore = EngineCoreRequest | Abort | UtilityCall | Shutdown
+FromCore = EngineCoreOutputs | Accepted | Rejected | UtilityResult | Ready | CoreDead
+
+
+def _enc_hook(obj: Any) -> Any:
+    raise NotImplementedError(f"{type(obj).__name__} cannot cross to or from the engine core")
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+def to_core_decoder() -> msgspec.msgpack.Decoder[ToCore]:
+    return msgspec.msgpack.Decoder(ToCore)  # type: ignore[arg-type]
+
+
+def from_core_decoder() -> msgspec.msgpack.Decoder[FromCore]:
+    return msgspec.msgpack.Decoder(FromCore)  # type: ignore[arg-type]
