@@ -46,6 +46,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "decoder_layer.cpp": (),
     "gemm.cpp": (),
     "gemm_bf16.cpp": (),
+    "gemm_w16.cpp": (),
     "argmax.cpp": (),
 }
 _CSRC = Path(__file__).parent / "csrc"
