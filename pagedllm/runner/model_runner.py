@@ -100,7 +100,14 @@ class ModelRunner:
         kernels.set_fused_ops(self.model, config.fused_layers, "fused_layer")
         if self.device.type == "cpu":
             if config.linear_backend != "torch":
-                pack_linears(self.model, config.linear_backend)
+                w16 = config.model.weight_dtype
+                if w16 is not None:
+                    logger.info(
+                        "dtype %s: pagedllm's CPU GEMM has no %s arithmetic on this CPU (ISA %s), "
+                        "so the linear weights stay %s (half the bytes a decode step reads) and "
+                        "activations and KV are float32", w16, w16, kernels.isa(), w16)
+                pack_linears(self.model, config.linear_backend,
+                             None if w16 is None else getattr(torch, w16))
                 kinds = [m.kind for m in self.model.modules() if isinstance(m, Linear)]
                 logger.info("linear layers per kind: %s", {k: kinds.count(k) for k in set(kinds)})
             if (hint := _openmp.advice(torch.get_num_threads())) is not None:
