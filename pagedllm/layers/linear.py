@@ -125,15 +125,19 @@ def gemm_runs(w: torch.Tensor) -> bool:
 
 def w16_dtype(dtype: str, device: str) -> str | None:
     """The 16-bit dtype a ``dtype`` model keeps its linear weights in while it computes in
-    float32 (None: it computes in ``dtype``): bfloat16 or float16 on CPU where pagedllm's GEMM
-    has no kernel for that dtype's arithmetic (bfloat16 without AVX512-BF16, e.g. an AVX2 CPU
-    or ``PAGEDLLM_ISA=avx2``; float16 always) but runs float32. Decode reads every weight once
-    a step, so the 16-bit weights halve its bytes; 16-bit activations there would run on torch's
-    and oneDNN's emulated paths (~4x slower than float32 on an AVX2 CPU: README)."""
+    float32 (None: it computes in ``dtype``): bfloat16 or float16 on CPU where the kernels'
+    ISA has no arithmetic for that dtype (bfloat16: AVX512-BF16, pagedllm's GEMM; float16:
+    AVX512-FP16, oneDNN) but pagedllm's GEMM runs float32: an AVX2 CPU, or
+    ``PAGEDLLM_ISA=avx2``. Decode reads every weight once a step, so the 16-bit weights halve
+    its bytes; 16-bit activations there would run on torch's and oneDNN's emulated paths (~4x
+    slower than float32 on an AVX2 CPU: README)."""
     if device != "cpu" or dtype not in ("bfloat16", "float16") or not kernels.available():
         return None
-    native = gemm_dtypes()
-    if torch.float32 not in native or getattr(torch, dtype) in native:
+    if torch.float32 not in gemm_dtypes():
+        return None
+    if dtype == "bfloat16" and torch.bfloat16 in gemm_dtypes():
+        return None
+    if dtype == "float16" and kernels.isa() == "avx512" and "avx512_fp16" in kernels.cpu_flags():
         return None
     return dtype
 

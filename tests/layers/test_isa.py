@@ -51,14 +51,16 @@ def test_each_isa_has_its_own_build(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.slow
 def test_kernel_tests_pass_on_the_avx2_build() -> None:
-    """The GEMM and attention-kernel tests, in a process that builds (or loads) the AVX2 kernels."""
+    """The GEMM and attention-kernel tests and the golden greedy-vs-HF tests (float32: identical
+    tokens, logprobs within 1e-4), in a process that builds (or loads) the AVX2 kernels."""
     if "avx512f" not in kernels.cpu_flags() or not {"avx2", "fma", "f16c"} <= kernels.cpu_flags():
         pytest.skip("needs a CPU that runs both AVX-512 and AVX2 (else the default run is AVX2)")
     if os.environ.get("PAGEDLLM_CPU_KERNELS") == "0":
         pytest.skip("CPU kernels switched off by PAGEDLLM_CPU_KERNELS=0")
     tests = Path(__file__).parents[1]
     files = [tests / "layers" / "test_gemm.py", tests / "layers" / "test_linear.py",
-             tests / "attention" / "test_cpu_kernel.py", tests / "layers" / "test_fused_ops.py"]
+             tests / "attention" / "test_cpu_kernel.py", tests / "layers" / "test_fused_ops.py",
+             tests / "golden" / "test_engine_vs_hf.py", tests / "layers" / "test_w16_engine.py"]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                         "-m", "not slow", *map(str, files)],
                        env={**os.environ, "PAGEDLLM_ISA": "avx2"}, capture_output=True, text=True,
