@@ -24,7 +24,7 @@
 #include <vector>
 
 #include <algorithm>
-#include <chrono>
+#include <ctime>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -32,6 +32,7 @@
 
 #include "gemm.h"
 #include "gemm_avx2.h"
+#include "gemm_avx512.h"
 
 namespace pagedllm {
 namespace {
@@ -42,31 +43,7 @@ constexpr int64_t PANEL = GEMM_PANEL;
 template <int R>
 inline void tile(const float* x, int64_t ldx, const float* w, int64_t k_n, const float* bias,
                  float* y, int64_t ldy, int64_t n_valid, GemmAhead ahead) {
-  __m512 a0[R], a1[R];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_n; ++k) {
-    const __m512 w0 = _mm512_loadu_ps(w + k * PANEL), w1 = _mm512_loadu_ps(w + k * PANEL + 16);
-    gemm_prefetch(ahead, k);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
-      a0[r] = _mm512_fmadd_ps(xb, w0, a0[r]);
-      a1[r] = _mm512_fmadd_ps(xb, w1, a1[r]);
-    }
-  }
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  const __mmask16 m0 = n_valid >= 16 ? 0xFFFF : (1u << n_valid) - 1;
-  const __mmask16 m1 = n_valid >= 32 ? 0xFFFF : n_valid <= 16 ? 0 : (1u << (n_valid - 16)) - 1;
-  if (bias != nullptr) {
-    b0 = _mm512_maskz_loadu_ps(m0, bias);
-    b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m0, bias ? _mm512_add_ps(a0[r], b0) : a0[r]);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, bias ? _mm512_add_ps(a1[r], b1) : a1[r]);
-  }
+  avx512_tile<R, Load16F32>(x, ldx, w, k_n, bias, y, ldy, n_valid, ahead);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 template <int R>
@@ -119,8 +96,15 @@ std::string gemm_isa() {
 // The machine's peak fp32 multiply-add rate in GFLOP/s (2 flops per lane), for this build's
 // vector width: every thread runs `iters` rounds of 16 independent FMA chains on registers
 // alone (no loads: 16 chains cover an FMA's latency on two FMA ports), and the flops of all
-// threads are divided by the slowest thread's time. The linears' GFLOP/s over this is the
-// fraction of peak `pagedllm bench linear` reports.
+// threads are divided by the slowest thread's CPU time (not wall time: on a shared machine a
+// thread taken off its core would lower the peak, not the machine). The linears' GFLOP/s over
+// this is the fraction of peak `pagedllm bench linear` reports.
+double thread_seconds() {  // CPU time of the calling thread
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
 double gemm_fma_peak(int64_t iters) {
 #if defined(__AVX512F__)
   using V = __m512;
@@ -154,13 +138,13 @@ double gemm_fma_peak(int64_t iters) {
       V acc[CHAINS];
       for (int c = 0; c < CHAINS; ++c) acc[c] = set(0.001f * c);
       const V a = set(0.999999f), b = set(1e-7f);
-      const auto start = std::chrono::steady_clock::now();
+      const double start = thread_seconds();
       for (int64_t i = 0; i < iters; ++i) {
 #pragma GCC unroll 16
         for (int c = 0; c < CHAINS; ++c) acc[c] = fma(acc[c], a, b);
         asm volatile("" : : : "memory");
       }
-      seconds[t] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      seconds[t] = thread_seconds() - start;
       V s = acc[0];
       for (int c = 1; c < CHAINS; ++c) s = fma(s, a, acc[c]);
       sink[t] = sum(s);  // the chains are used, so the loop is not removed

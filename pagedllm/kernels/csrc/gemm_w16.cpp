@@ -27,6 +27,7 @@
 
 #include "gemm.h"
 #include "gemm_avx2.h"
+#include "gemm_avx512.h"
 
 namespace pagedllm {
 namespace {
@@ -34,47 +35,10 @@ namespace {
 constexpr int64_t PANEL = GEMM_PANEL;
 
 #if defined(__AVX512F__)
-struct Load16BF16 {  // 16 bf16 -> fp32
-  static __m512 at(const uint16_t* p) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-};
-struct Load16F16 {  // 16 fp16 -> fp32
-  static __m512 at(const uint16_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-};
-
-// gemm.cpp's AVX-512 tile with the panel widened on load.
 template <int R, typename L>
 inline void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t k_n, const float* bias,
                  float* y, int64_t ldy, int64_t n_valid, GemmAhead ahead) {
-  __m512 a0[R], a1[R];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_n; ++k) {
-    const __m512 w0 = L::at(w + k * PANEL), w1 = L::at(w + k * PANEL + 16);
-    gemm_prefetch(ahead, k);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
-      a0[r] = _mm512_fmadd_ps(xb, w0, a0[r]);
-      a1[r] = _mm512_fmadd_ps(xb, w1, a1[r]);
-    }
-  }
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  const __mmask16 m0 = n_valid >= 16 ? 0xFFFF : (1u << n_valid) - 1;
-  const __mmask16 m1 = n_valid >= 32 ? 0xFFFF : n_valid <= 16 ? 0 : (1u << (n_valid - 16)) - 1;
-  if (bias != nullptr) {
-    b0 = _mm512_maskz_loadu_ps(m0, bias);
-    b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m0, bias ? _mm512_add_ps(a0[r], b0) : a0[r]);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, bias ? _mm512_add_ps(a1[r], b1) : a1[r]);
-  }
+  avx512_tile<R, L>(x, ldx, w, k_n, bias, y, ldy, n_valid, ahead);
 }
 using BF16 = Load16BF16;
 using F16 = Load16F16;
