@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from pagedllm.config import (
@@ -159,6 +159,11 @@ class EngineArgs:
         """The frozen configs. Raises ValueError naming the setting at fault."""
         model = resolve_model(self.model) if self.model else default_model_path()
         mcfg = ModelConfig.from_hf(model, self.dtype)
+        if self.device == "cpu" and self.linear_backend in ("auto", "gemm"):
+            from pagedllm.layers.linear import w16_dtype
+
+            if (w16 := w16_dtype(mcfg.dtype, self.device)) is not None:  # 16-bit weights, fp32 math
+                mcfg = replace(mcfg, dtype="float32", weight_dtype=w16)
         limit = mcfg.max_position_embeddings
         max_model_len = self.max_model_len
         if max_model_len is None:

@@ -112,6 +112,9 @@ class ModelConfig:
     sliding_window: int | None
     dtype: str
     bos_token_id: int | None = None
+    # CPU: the 16-bit dtype linear weights are kept in while ``dtype`` (then float32) computes,
+    # on a CPU without that dtype's arithmetic (layers/linear.py w16_dtype); None: ``dtype``
+    weight_dtype: str | None = None
     eos_token_ids: tuple[int, ...] = ()
     full_attention_layers: tuple[int, ...] = ()  # unwindowed despite sliding_window (Qwen2)
 

@@ -11,6 +11,9 @@ reach alone.
 3. Per layer kind (qkv, o, gate_up, down, lm_head; from the model's shapes) the report gives the
    engine's time, its GFLOP/s, and ``efficiency`` = time alone on oneDNN / time in the engine:
    how close the engine's linears come to what oneDNN does on those shapes by themselves.
+4. The machine's peak fp32 FMA rate at the kernels' ISA (``PAGEDLLM_ISA``; a register-only FMA
+   loop on every thread, ``torch.ops.pagedllm.gemm_fma_peak``) and each kind's ``of_peak``:
+   the engine's GFLOP/s over it.
 
 Both sides use the median call of a shape (engine: per shape, times its call count), so that a
 call another process delayed on a shared machine weighs on neither; the engine's plain total is
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from pagedllm import kernels
 from pagedllm.bench.report import format_table, machine_info, write_json
 from pagedllm.bench.workload import BenchRequest, WorkloadSpec, summarize
 
@@ -84,8 +88,9 @@ def time_linears(engine_backend: Any, reqs: list[BenchRequest]) -> tuple[dict[tu
 
 
 def time_alone(shape: Shape, dtype: torch.dtype, path: str, min_s: float = 0.02,
-               max_reps: int = 50) -> float:
-    """Median seconds of one call of ``shape`` on ``path``, weights cold (see module doc)."""
+               max_reps: int = 50, weight_dtype: torch.dtype | None = None) -> float:
+    """Median seconds of one call of ``shape`` on ``path``, weights cold (see module doc);
+    ``weight_dtype``: the GEMM's 16-bit weights of a float32 layer (gemm_w16.cpp)."""
     m, n, k = shape
     copies = max(1, min(32, -(-COLD_BYTES // (n * k * dtype.itemsize))))
     ws = [torch.randn(n, k).mul_(0.02).to(dtype) for _ in range(copies)]
@@ -96,7 +101,8 @@ def time_alone(shape: Shape, dtype: torch.dtype, path: str, min_s: float = 0.02,
         def call(i: int) -> None:
             torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")
     elif path == "gemm":
-        panels = [torch.ops.pagedllm.pack_gemm_weight(w) for w in ws]
+        panels = [torch.ops.pagedllm.pack_gemm_weight(w) if weight_dtype is None
+                  else torch.ops.pagedllm.pack_gemm_weight_w16(w.to(weight_dtype)) for w in ws]
 
         def call(i: int) -> None:
             torch.ops.pagedllm.gemm_packed(x, panels[i], n, None)
@@ -122,6 +128,7 @@ def run_linear(reqs: list[BenchRequest], spec: WorkloadSpec, engine_kwargs: dict
     backend = EngineBackend("pagedllm", {**engine_kwargs, "fused_layers": False})
     cfg = backend.engine.config.model
     dtype = getattr(torch, cfg.dtype)
+    w16 = getattr(torch, cfg.weight_dtype) if cfg.weight_dtype else None
     if warmup:
         backend.run(reqs[:warmup])
     calls, wall = time_linears(backend, reqs)
@@ -131,7 +138,7 @@ def run_linear(reqs: list[BenchRequest], spec: WorkloadSpec, engine_kwargs: dict
         for p in ("onednn", "torch", "gemm"):
             runs = {"torch": True, "onednn": dtype in _onednn(), "gemm": path == "gemm"}[p]
             if (shape, p) not in alone and runs:
-                alone[(shape, p)] = time_alone(shape, dtype, p)
+                alone[(shape, p)] = time_alone(shape, dtype, p, weight_dtype=w16 if p == "gemm" else None)
     agg: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for (shape, _), ts in calls.items():
         m, n, k = shape
@@ -154,11 +161,17 @@ def run_linear(reqs: list[BenchRequest], spec: WorkloadSpec, engine_kwargs: dict
             "gemm_alone_gflops": a["gflop"] / a["gemm_alone_s"],
             "efficiency": a["onednn_alone_s"] / a["engine_s"],
         })
+    peak = fma_peak()
+    for row in rows:
+        row["of_peak"] = float(row["engine_gflops"]) / peak if peak else float("nan")  # type: ignore[arg-type]
     paths = sorted({p for _, p in calls})
     return {
         "benchmark": "linear",
         "dtype": cfg.dtype,
+        "weight_dtype": cfg.weight_dtype or cfg.dtype,
         "threads": torch.get_num_threads(),
+        "isa": kernels.isa(),
+        "fma_peak_gflops": peak,
         "engine_paths": paths,
         "run_s": wall,
         "linear_share_of_run": agg["all linears"]["engine_total_s"] / wall if calls else 0.0,
@@ -175,6 +188,16 @@ def run_linear(reqs: list[BenchRequest], spec: WorkloadSpec, engine_kwargs: dict
     }
 
 
+def fma_peak(reps: int = 3) -> float | None:
+    """The machine's peak fp32 GFLOP/s at the kernels' ISA, the best of ``reps`` register-only
+    FMA loops of ~0.1 s on every thread (load only ever lowers it); None without the kernels."""
+    if not kernels.available():
+        return None
+    ops = torch.ops.pagedllm
+    iters = max(10_000, int(0.1 * ops.gemm_fma_peak(100_000) * 1e9 / (2 * 16 * 16 * torch.get_num_threads())))
+    return max(ops.gemm_fma_peak(iters) for _ in range(reps))
+
+
 def _onednn() -> tuple[torch.dtype, ...]:
     from pagedllm.layers.linear import onednn_dtypes
 
@@ -182,11 +205,16 @@ def _onednn() -> tuple[torch.dtype, ...]:
 
 
 def report_linear(res: dict[str, Any], output_dir: Path, output_json: Path | None) -> list[Path]:
-    print(f"dtype {res['dtype']}, {res['threads']} threads, engine path {'+'.join(res['engine_paths'])}; "
+    print(f"dtype {res['dtype']} (weights {res['weight_dtype']}), {res['threads']} threads, "
+          f"engine path {'+'.join(res['engine_paths'])}; "
           f"linears {res['linear_share_of_run']:.0%} of the profiled run ({res['run_s']:.2f} s)")
+    if res["fma_peak_gflops"]:
+        print(f"peak FMA rate ({res['isa']}, register-only loop, {res['threads']} threads): "
+              f"{res['fma_peak_gflops']:.1f} GFLOP/s; of_peak = engine GFLOP/s / peak")
     print(format_table(res["results"], ("layer", "calls", "mean_rows", "engine_total_s", "engine_gflops",
                                         "onednn_alone_gflops", "torch_alone_gflops", "gemm_alone_gflops",
-                                        "efficiency"),
+                                        "efficiency", "of_peak"),
                        ["layer", "calls", "mean M", "engine total s", "engine GFLOP/s",
-                        "oneDNN alone", "F.linear alone", "pagedllm GEMM alone", "efficiency"]))
+                        "oneDNN alone", "F.linear alone", "pagedllm GEMM alone", "efficiency",
+                        "of peak"]))
     return [write_json(output_json or output_dir / "linear.json", res)]

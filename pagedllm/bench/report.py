@@ -37,6 +37,15 @@ def machine_info() -> dict[str, Any]:
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
     }
+    from pagedllm import kernels
+
+    info["cpu_model"] = kernels.cpu_model()
+    info["cpu_flags"] = " ".join(sorted(kernels.cpu_flags()))
+    try:  # the ISA the CPU kernels are (or would be) built for: PAGEDLLM_ISA or this CPU's best
+        info["pagedllm_isa"] = kernels.choose_isa(os.environ.get("PAGEDLLM_ISA", "auto"),
+                                                  kernels.cpu_flags())
+    except ValueError as e:
+        info["pagedllm_isa"] = str(e)
     try:
         import torch
 

@@ -12,6 +12,12 @@ across processes by a file lock and published by an atomic rename.
 Where there is no compiler or the build fails, ``available()`` is False and callers take their
 pure-torch path; one warning says why and how to fix it. ``PAGEDLLM_CPU_KERNELS=0`` switches the
 kernels off (no build is attempted).
+
+``PAGEDLLM_ISA`` picks the instruction set the kernels are built for: ``auto`` (default: this
+CPU's best, ``-march=native``), ``avx512`` (the same, refused on a CPU without AVX-512F) or
+``avx2`` (``-march=haswell``: AVX2, FMA and F16C, no AVX-512, so a machine with AVX-512 runs and
+tests the code an AVX2-only CPU runs). Each ISA's build has its own cache key (the flags are in
+it); the ISA in use is logged once and read by ``isa()``.
 """
 
 from __future__ import annotations
@@ -40,13 +46,21 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "decoder_layer.cpp": (),
     "gemm.cpp": (),
     "gemm_bf16.cpp": (),
+    "gemm_w16.cpp": (),
     "argmax.cpp": (),
 }
 _CSRC = Path(__file__).parent / "csrc"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-fPIC", "-fno-math-errno",
+FLAGS = ("-O3", "-fopenmp", "-std=c++20", "-fPIC", "-fno-math-errno",
          "-fno-trapping-math", "-w")
 
-_state: dict[str, object] = {}  # "loaded": bool, "error": str | None, "path": Path
+# PAGEDLLM_ISA's values: the CPU flags each needs and its -march flags ("auto" is one of these)
+ISA_NEEDS: dict[str, tuple[str, ...]] = {"avx512": ("avx512f", "avx2", "fma", "f16c"),
+                                         "avx2": ("avx2", "fma", "f16c"), "generic": ()}
+ISA_MARCH: dict[str, tuple[str, ...]] = {"avx512": ("-march=native",),
+                                         "avx2": ("-march=haswell", "-mtune=native"),
+                                         "generic": ("-march=native",)}
+
+_state: dict[str, object] = {}  # "loaded": bool, "error": str | None, "path": Path, "isa": str
 
 
 def cache_dir() -> Path:
@@ -57,15 +71,56 @@ def cache_dir() -> Path:
     return Path(xdg) / "pagedllm" if xdg else Path.home() / ".cache" / "pagedllm"
 
 
-def _cpu_id() -> str:
-    """What -march=native depends on: the machine and its CPU's model and feature flags."""
-    text = ""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's "model name" and "flags" lines of /proc/cpuinfo ({} without it)."""
+    out: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            text = "".join(line for line in f if line.startswith(("model name", "flags")))
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "flags") and key.strip() not in out:
+                    out[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.machine() + "|" + " ".join(sorted(set(text.split())))
+    return out
+
+
+def cpu_model() -> str:
+    return _cpuinfo().get("model name", platform.processor() or platform.machine())
+
+
+def cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo().get("flags", "").split())
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the machine and its CPU's model and feature flags."""
+    return f"{platform.machine()}|{cpu_model()}|{' '.join(sorted(cpu_flags()))}"
+
+
+def choose_isa(setting: str, flags: frozenset[str]) -> str:
+    """The ISA to build for: ``setting`` is PAGEDLLM_ISA's value (auto, avx512, avx2), ``flags``
+    the CPU's. A ValueError naming the variable for an unknown value or one this CPU cannot run."""
+    setting = setting.strip().lower() or "auto"
+    if setting == "auto":
+        return next(isa for isa, needs in ISA_NEEDS.items() if set(needs) <= flags)
+    if setting not in ISA_NEEDS or setting == "generic":
+        raise ValueError(f"PAGEDLLM_ISA={setting!r}: use auto, avx512 or avx2")
+    missing = [f for f in ISA_NEEDS[setting] if f not in flags]
+    if missing:
+        runs = [i for i, n in ISA_NEEDS.items() if i != "generic" and set(n) <= flags]
+        raise ValueError(f"PAGEDLLM_ISA={setting}: this CPU ({cpu_model()}) lacks "
+                         f"{', '.join(missing)}; unset PAGEDLLM_ISA (auto) or set it to "
+                         f"{' or '.join(runs) or 'auto'}")
+    return setting
+
+
+def _isa() -> str:
+    return choose_isa(os.environ.get("PAGEDLLM_ISA", "auto"), cpu_flags())
+
+
+def _flags() -> tuple[str, ...]:
+    return (*FLAGS[:1], *ISA_MARCH[_isa()], *FLAGS[1:])
 
 
 def _commands(out: Path) -> tuple[list[list[str]], list[str]]:
@@ -74,7 +129,7 @@ def _commands(out: Path) -> tuple[list[list[str]], list[str]]:
 
     cxx = cpp_extension.get_cxx_compiler()
     abi = int(torch.compiled_with_cxx11_abi())
-    common = [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    common = [cxx, *_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     common += [f"-I{p}" for p in cpp_extension.include_paths()]
     objs = [out.with_suffix(f".{i}.o") for i in range(len(SOURCES))]
     compiles = [[*common, *extra, "-c", str(_CSRC / src), "-o", str(obj)]
@@ -91,7 +146,7 @@ def _key() -> str:
         h.update(name.encode() + b"\0" + (_CSRC / name).read_bytes())
     from torch.utils import cpp_extension
 
-    h.update(" ".join([*FLAGS, repr(SOURCES), cpp_extension.get_cxx_compiler(), torch.__version__,
+    h.update(" ".join([*_flags(), repr(SOURCES), cpp_extension.get_cxx_compiler(), torch.__version__,
                        _cpu_id()]).encode())
     return h.hexdigest()[:16]
 
@@ -140,6 +195,7 @@ def available() -> bool:
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
         _state["error"] = "switched off by PAGEDLLM_CPU_KERNELS=0"
         return False
+    isa_ = _state["isa"] = _isa()  # a bad PAGEDLLM_ISA raises here, before any build
     lib = cache_dir() / "kernels" / _key() / "pagedllm_kernels.so"
     try:
         if not lib.exists():
@@ -153,7 +209,15 @@ def available() -> bool:
             "this attempt.", RuntimeWarning, stacklevel=2)
         return False
     _state["loaded"], _state["path"] = True, lib
+    logger.info("pagedllm CPU kernels: %s (PAGEDLLM_ISA=%s, CPU %s)", isa_,
+                os.environ.get("PAGEDLLM_ISA", "auto"), cpu_model())
     return True
+
+
+def isa() -> str | None:
+    """The ISA the loaded kernels were built for ("avx512", "avx2", "generic"); None without
+    them."""
+    return _state.get("isa") if available() else None  # type: ignore[return-value]
 
 
 def fused(*tensors: torch.Tensor) -> bool:

@@ -52,16 +52,25 @@ class Linear(nn.Linear):
     kind: str = "torch"  # "torch" (F.linear on weight), "onednn" or "gemm": what ``packed`` is
     gemv: bool = False  # packed for oneDNN, and a single row still goes to F.linear on the plain weight
 
-    def pack(self, keep_weight: bool = False, backend: str = "auto") -> bool:
+    def pack(self, keep_weight: bool = False, backend: str = "auto",
+             weight_dtype: torch.dtype | None = None) -> bool:
         """Pack the weight (``backend`` "auto": "gemm" where it runs, else "onednn"; or either
         by name); False (and nothing changes) where no packing runs it: not on CPU, no oneDNN,
         or a dtype it does not run here (``onednn_dtypes``, ``gemm_runs``). "auto" takes the
         GEMM for every dtype it runs: in the engine, side by side with oneDNN, 1.06-1.07x
-        output tok/s in fp32 and 1.06x in bf16 (125M model)."""
+        output tok/s in fp32 and 1.06x in bf16 (125M model).
+
+        ``weight_dtype`` (bfloat16 / float16, for a float32 layer; ``w16_dtype``): the GEMM
+        keeps the weight in that dtype and widens it to fp32 in registers (half the bytes a
+        decode step reads; kernels/csrc/gemm_w16.cpp); where the GEMM does not take the layer
+        it is packed as without it."""
         w = self.weight
         if w.device.type != "cpu" or self.packed is not None:
             return False
-        if backend in ("auto", "gemm") and gemm_runs(w):
+        if weight_dtype is not None and backend in ("auto", "gemm") and gemm_runs(w):
+            self.packed = torch.ops.pagedllm.pack_gemm_weight_w16(w.detach().to(weight_dtype))
+            self.kind = "gemm"
+        elif backend in ("auto", "gemm") and gemm_runs(w):
             self.packed, self.kind = torch.ops.pagedllm.pack_gemm_weight(w.detach()), "gemm"
         elif backend != "gemm" and w.dtype in onednn_dtypes():
             self.packed, self.kind = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), "onednn"
@@ -97,7 +106,8 @@ class Linear(nn.Linear):
 
 def gemm_dtypes() -> tuple[torch.dtype, ...]:
     """Weight dtypes pagedllm's GEMM runs on this CPU: float32 where the kernels are built with
-    AVX-512, bfloat16 where the CPU has AVX512-BF16 (``vdpbf16ps``); none without the kernels.
+    AVX-512 or AVX2 + FMA, bfloat16 where the CPU has AVX512-BF16 (``vdpbf16ps``); none without
+    the kernels.
     Elsewhere those layers take oneDNN where ``onednn_dtypes`` has their dtype."""
     if not kernels.available():
         return ()
@@ -113,7 +123,27 @@ def gemm_runs(w: torch.Tensor) -> bool:
     return w.device.type == "cpu" and w.shape[0] % 32 == 0 and w.dtype in gemm_dtypes()
 
 
-def pack_linears(model: nn.Module, backend: str = "auto") -> int:
+def w16_dtype(dtype: str, device: str) -> str | None:
+    """The 16-bit dtype a ``dtype`` model keeps its linear weights in while it computes in
+    float32 (None: it computes in ``dtype``): bfloat16 or float16 on CPU where the kernels'
+    ISA has no arithmetic for that dtype (bfloat16: AVX512-BF16, pagedllm's GEMM; float16:
+    AVX512-FP16, oneDNN) but pagedllm's GEMM runs float32: an AVX2 CPU, or
+    ``PAGEDLLM_ISA=avx2``. Decode reads every weight once a step, so the 16-bit weights halve
+    its bytes; 16-bit activations there would run on torch's and oneDNN's emulated paths (~4x
+    slower than float32 on an AVX2 CPU: README)."""
+    if device != "cpu" or dtype not in ("bfloat16", "float16") or not kernels.available():
+        return None
+    if torch.float32 not in gemm_dtypes():
+        return None
+    if dtype == "bfloat16" and torch.bfloat16 in gemm_dtypes():
+        return None
+    if dtype == "float16" and kernels.isa() == "avx512" and "avx512_fp16" in kernels.cpu_flags():
+        return None
+    return dtype
+
+
+def pack_linears(model: nn.Module, backend: str = "auto",
+                 weight_dtype: torch.dtype | None = None) -> int:
     """Pack every ``Linear`` of ``model`` (see ``Linear.pack``); returns how many were.
 
     A weight shared with another module (lm_head tied to the input embedding) is packed as a
@@ -122,7 +152,8 @@ def pack_linears(model: nn.Module, backend: str = "auto") -> int:
     for m in model.modules():
         for p in m.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
-    return sum(m.pack(keep_weight=owners[id(m.weight)] > 1, backend=backend)
+    return sum(m.pack(keep_weight=owners[id(m.weight)] > 1, backend=backend,
+                      weight_dtype=weight_dtype)
                for m in model.modules() if isinstance(m, Linear))
 
 

@@ -389,3 +389,9 @@ def test_bench_linear_cli(model: Path, tmp_path: Path) -> None:
     if want == "gemm":
         assert all(r["gemm_alone_gflops"] > 0 for r in [everything, *rows.values()])
     assert 0 < res["linear_share_of_run"] < 1
+    # the peak FMA rate at the kernels' ISA, and every kind's share of it
+    assert res["isa"] == res["machine"]["pagedllm_isa"] and res["fma_peak_gflops"] > 0
+    assert all(0 < r["of_peak"] < 1.5 for r in [everything, *rows.values()])
+    from pagedllm import kernels
+
+    assert res["machine"]["cpu_flags"] == " ".join(sorted(kernels.cpu_flags()))

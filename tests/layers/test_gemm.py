@@ -2,7 +2,8 @@
 kernels/csrc/gemm.cpp, gemm_bf16.cpp) against a float64 matmul of the same inputs: every
 register-tile height (1-8 rows, rows cut into tiles of equal height, the 64-row chunks), output widths that end inside a 32-column
 panel, odd K (bf16 packs k in pairs), strided rows, bias, the threaded split; bf16's rounding to
-nearest even; and the checks."""
+nearest even; the 16-bit weights of fp32 layers (``pack_gemm_weight_w16``); and the checks.
+Run with ``PAGEDLLM_ISA=avx2`` (tests/layers/test_isa.py does) they test the AVX2 tiles."""
 
 from __future__ import annotations
 
@@ -150,8 +151,54 @@ def test_bf16_checks_name_the_argument() -> None:
         torch.ops.pagedllm.gemm_packed(torch.randn(2, 13).bfloat16(), packed, 64, None)
     with pytest.raises(RuntimeError, match="bias must be bfloat16"):
         torch.ops.pagedllm.gemm_packed(torch.randn(2, 16).bfloat16(), packed, 64, torch.randn(64))
-    with pytest.raises(RuntimeError, match="float32 \\[ceil"):  # fp32 x on a bf16 packing
+    with pytest.raises(RuntimeError, match="pack_gemm_weight_w16's"):  # fp32 x on a bf16 packing
         torch.ops.pagedllm.gemm_packed(torch.randn(2, 16), packed, 64, None)
     with pytest.raises(RuntimeError, match="bfloat16 \\[ceil"):  # and the other way round
         torch.ops.pagedllm.gemm_packed(torch.randn(2, 16).bfloat16(),
                                        torch.ops.pagedllm.pack_gemm_weight(w.float()), 64, None)
+
+
+def test_builds_for_the_isa_asked() -> None:
+    """PAGEDLLM_ISA=avx2 on an AVX-512 machine really runs the AVX2 code (not the native build)."""
+    asked = os.environ.get("PAGEDLLM_ISA", "auto")
+    want = kernels.choose_isa(asked, kernels.cpu_flags())
+    assert kernels.isa() == want == torch.ops.pagedllm.gemm_isa()
+    assert torch.ops.pagedllm.gemm_vectorized() == (want != "generic")
+    if want == "avx2":
+        assert not torch.ops.pagedllm.gemm_bf16_vectorized()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(1, 32, 16), (3, 40, 7), (7, 72, 40), (8, 64, 48), (13, 96, 33),
+                                   (17, 72, 40), (67, 100, 64), (37, 1280, 256)])
+def test_w16_weights_give_the_bits_of_the_widened_weight(dtype: torch.dtype, m: int, n: int,
+                                                         k: int) -> None:
+    # 16-bit weights widened in registers (exact), the same fp32 sum in k order: the bits of
+    # the float32 GEMM on w.float(), which test_equals_a_float64_matmul checks against float64
+    g = torch.Generator().manual_seed(m * n + k)
+    w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g)
+    x = torch.randn(m, k + 3, generator=g)[:, 1:1 + k]
+    packed = torch.ops.pagedllm.pack_gemm_weight_w16(w)
+    assert packed.dtype == dtype and packed.shape == (-(-n // 32), k, 32)
+    y = torch.ops.pagedllm.gemm_packed(x, packed, n, b)
+    want = torch.ops.pagedllm.gemm_packed(x, torch.ops.pagedllm.pack_gemm_weight(w.float()), n, b)
+    assert y.dtype == torch.float32 and torch.equal(y, want)
+    torch.testing.assert_close(y, x @ w.float().T + b, rtol=1e-5, atol=1e-4)
+
+
+def test_w16_checks_name_the_argument() -> None:
+    packed = torch.ops.pagedllm.pack_gemm_weight_w16(torch.randn(64, 16).half())
+    with pytest.raises(RuntimeError, match="K = x's"):
+        torch.ops.pagedllm.gemm_packed(torch.randn(2, 15), packed, 64, None)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        torch.ops.pagedllm.gemm_packed(torch.randn(2, 16), packed, 64, torch.randn(64).half())
+    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+        torch.ops.pagedllm.pack_gemm_weight_w16(torch.randn(64, 16))
+
+
+def test_fma_peak_is_a_rate() -> None:
+    # GFLOP/s of a register-only FMA loop: positive, and at least one FMA of the build's
+    # vector width per nanosecond per thread is far below any CPU's peak
+    peak = torch.ops.pagedllm.gemm_fma_peak(100_000)
+    lanes = {"avx512": 16, "avx2": 8}.get(torch.ops.pagedllm.gemm_isa(), 1)
+    assert 0.05 * lanes < peak < 1e5

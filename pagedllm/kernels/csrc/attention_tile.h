@@ -14,7 +14,9 @@
 // products of two bf16 values are exact in fp32 and summed in fp32 (denormal inputs read as
 // zero), so it computes what widening both would, in half the instructions; q stays unscaled
 // (a bf16 q times a softmax scale is not a bf16 value) and the 16 sums are scaled instead.
-// Anything else takes the plain loops (vectorised by the compiler over head_dim).
+// With AVX2 (no AVX-512) and head_dim a multiple of 8 (up to 128): the same two loops on 8-lane
+// vectors (scores_avx2, values_avx2). Anything else takes the plain loops (vectorised by the
+// compiler over head_dim).
 #pragma once
 
 #include <cstdint>
@@ -162,6 +164,84 @@ void scores_dpbf16(const void* qp, float post, int64_t g, int64_t, const void* c
 #endif
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The AVX2 loops for head_dim a multiple of 8 (up to 128): 8-lane vectors, 16 ymm registers.
+template <typename T>
+inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+// out[t] = sum of the 8 lanes of a[t], t < 8.
+inline __m256 reduce8(const __m256* a) {
+  const __m256 b0 = _mm256_hadd_ps(a[0], a[1]), b1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 b2 = _mm256_hadd_ps(a[4], a[5]), b3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 c0 = _mm256_hadd_ps(b0, b1), c1 = _mm256_hadd_ps(b2, b3);  // per 128-bit half
+  return _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
+}
+
+// 8 dot products at once (8 K rows against q[j]), q read from L1 (NV vectors would not all
+// fit beside the 8 accumulators).
+template <int NV, typename T>
+void scores_avx2(const void* qp, float, int64_t g, int64_t, const void* const* rows, int64_t n,
+                 float* s) {
+  const float* q = static_cast<const float*>(qp);
+  for (int64_t j = 0; j < g; ++j) {
+    const float* qj = q + j * NV * 8;
+    for (int64_t i = 0; i < n; i += 8) {
+      __m256 a[8];
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const T* k = static_cast<const T*>(rows[i + t]);
+        a[t] = _mm256_mul_ps(_mm256_loadu_ps(qj), load8<T>(k));
+#pragma GCC unroll 16
+        for (int c = 1; c < NV; ++c)
+          a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c * 8), load8<T>(k + c * 8), a[t]);
+      }
+      _mm256_storeu_ps(s + j * TILE + i, reduce8(a));
+    }
+  }
+}
+
+// acc[j] += sum_i p[j][i] v_i over column chunks of CW vectors, two accumulator sets (even and
+// odd positions) of CW registers each.
+template <int NV, typename T>
+void values_avx2(float* acc, int64_t g, int64_t, const float* p, const void* const* rows,
+                 int64_t n) {
+  constexpr int CW = NV % 6 == 0 ? 6 : NV % 5 == 0 ? 5 : NV % 4 == 0 ? 4 : NV % 7 == 0 ? 7 : NV;
+  for (int64_t j = 0; j < g; ++j) {
+    const float* pj = p + j * TILE;
+    for (int c0 = 0; c0 < NV; c0 += CW) {
+      float* y = acc + j * NV * 8 + c0 * 8;
+      __m256 a0[CW], a1[CW];
+#pragma GCC unroll 8
+      for (int c = 0; c < CW; ++c) {
+        a0[c] = _mm256_loadu_ps(y + c * 8);
+        a1[c] = _mm256_setzero_ps();
+      }
+      for (int64_t i = 0; i < n; i += 2) {  // rows and p are padded to 16 (zero rows, p = 0)
+        const T* r0 = static_cast<const T*>(rows[i]) + c0 * 8;
+        const T* r1 = static_cast<const T*>(rows[i + 1]) + c0 * 8;
+        const __m256 p0 = _mm256_set1_ps(pj[i]), p1 = _mm256_set1_ps(pj[i + 1]);
+#pragma GCC unroll 8
+        for (int c = 0; c < CW; ++c) {
+          a0[c] = _mm256_fmadd_ps(p0, load8<T>(r0 + c * 8), a0[c]);
+          a1[c] = _mm256_fmadd_ps(p1, load8<T>(r1 + c * 8), a1[c]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < CW; ++c) _mm256_storeu_ps(y + c * 8, _mm256_add_ps(a0[c], a1[c]));
+    }
+  }
+}
+#endif
+
 // Whether scores_fn(..., q_bf16 = true) exists here: then q goes in as bf16, unscaled.
 inline bool dpbf16_scores(Kind rows, int64_t d) {
 #if defined(__AVX512BF16__)
@@ -179,22 +259,36 @@ inline bool dpbf16_scores(Kind rows, int64_t d) {
     case 64: return fn<4, T>;  case 80: return fn<5, T>;  case 96: return fn<6, T>;        \
     case 112: return fn<7, T>; case 128: return fn<8, T>; default: break;                  \
   }
+#define PAGEDLLM_SCORES scores_avx512
+#define PAGEDLLM_VALUES values_avx512
+#elif defined(__AVX2__) && defined(__FMA__)
+// fn<head_dim / 8, T> where a template exists for head_dim d.
+#define PAGEDLLM_BY_NV(fn, T)                                                              \
+  switch (d) {                                                                             \
+    case 16: return fn<2, T>;  case 32: return fn<4, T>;  case 48: return fn<6, T>;        \
+    case 64: return fn<8, T>;  case 80: return fn<10, T>; case 96: return fn<12, T>;       \
+    case 112: return fn<14, T>; case 128: return fn<16, T>; default: break;                \
+  }
+#define PAGEDLLM_SCORES scores_avx2
+#define PAGEDLLM_VALUES values_avx2
 #else
 #define PAGEDLLM_BY_NV(fn, T)
 #endif
 
 template <typename T>
 ScoresFn scores_for(int64_t d) {
-  PAGEDLLM_BY_NV(scores_avx512, T)
+  PAGEDLLM_BY_NV(PAGEDLLM_SCORES, T)
   return scores_plain<T>;
 }
 
 template <typename T>
 ValuesFn values_for(int64_t d) {
-  PAGEDLLM_BY_NV(values_avx512, T)
+  PAGEDLLM_BY_NV(PAGEDLLM_VALUES, T)
   return values_plain<T>;
 }
 #undef PAGEDLLM_BY_NV
+#undef PAGEDLLM_SCORES
+#undef PAGEDLLM_VALUES
 
 // The scores loop for K rows of kind `rows` (F32, F16 or BF16) and head_dim d; q_bf16: q
 // goes in as bf16 (only where dpbf16_scores says so).

@@ -20,12 +20,19 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
-#if defined(__AVX512F__)
+#include <algorithm>
+#include <ctime>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #include "gemm.h"
+#include "gemm_avx2.h"
+#include "gemm_avx512.h"
 
 namespace pagedllm {
 namespace {
@@ -36,31 +43,13 @@ constexpr int64_t PANEL = GEMM_PANEL;
 template <int R>
 inline void tile(const float* x, int64_t ldx, const float* w, int64_t k_n, const float* bias,
                  float* y, int64_t ldy, int64_t n_valid, GemmAhead ahead) {
-  __m512 a0[R], a1[R];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_n; ++k) {
-    const __m512 w0 = _mm512_loadu_ps(w + k * PANEL), w1 = _mm512_loadu_ps(w + k * PANEL + 16);
-    gemm_prefetch(ahead, k);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
-      a0[r] = _mm512_fmadd_ps(xb, w0, a0[r]);
-      a1[r] = _mm512_fmadd_ps(xb, w1, a1[r]);
-    }
-  }
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  const __mmask16 m0 = n_valid >= 16 ? 0xFFFF : (1u << n_valid) - 1;
-  const __mmask16 m1 = n_valid >= 32 ? 0xFFFF : n_valid <= 16 ? 0 : (1u << (n_valid - 16)) - 1;
-  if (bias != nullptr) {
-    b0 = _mm512_maskz_loadu_ps(m0, bias);
-    b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m0, bias ? _mm512_add_ps(a0[r], b0) : a0[r]);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, bias ? _mm512_add_ps(a1[r], b1) : a1[r]);
-  }
+  avx512_tile<R, Load16F32>(x, ldx, w, k_n, bias, y, ldy, n_valid, ahead);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+template <int R>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t k_n, const float* bias,
+                 float* y, int64_t ldy, int64_t n_valid, GemmAhead ahead) {
+  avx2_tile<R, LoadF32>(x, ldx, w, k_n, bias, y, ldy, n_valid, ahead);
 }
 #else
 template <int R>
@@ -83,13 +72,87 @@ constexpr GemmTile<float> TILES[GEMM_MR + 1] = {nullptr, tile<1>, tile<2>, tile<
 
 }  // namespace
 
-// Whether the tiles are AVX-512 code; elsewhere they are plain loops, slower than oneDNN.
+// Whether the tiles are AVX-512 or AVX2+FMA code; elsewhere they are plain loops, slower than
+// oneDNN.
 bool gemm_vectorized() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   return true;
 #else
   return false;
 #endif
+}
+
+// The ISA of this build's vector code: "avx512", "avx2" or "generic".
+std::string gemm_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
+// The machine's peak fp32 multiply-add rate in GFLOP/s (2 flops per lane), for this build's
+// vector width: every thread runs `iters` rounds of 16 independent FMA chains on registers
+// alone (no loads: 16 chains cover an FMA's latency on two FMA ports), and the flops of all
+// threads are divided by the slowest thread's CPU time (not wall time: on a shared machine a
+// thread taken off its core would lower the peak, not the machine). The linears' GFLOP/s over
+// this is the fraction of peak `pagedllm bench linear` reports.
+double thread_seconds() {  // CPU time of the calling thread
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+double gemm_fma_peak(int64_t iters) {
+#if defined(__AVX512F__)
+  using V = __m512;
+  constexpr int LANES = 16;
+  auto fma = [](V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); };
+  auto set = [](float v) { return _mm512_set1_ps(v); };
+  auto sum = [](V v) { return _mm512_reduce_add_ps(v); };
+#elif defined(__AVX2__) && defined(__FMA__)
+  using V = __m256;
+  constexpr int LANES = 8;
+  auto fma = [](V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); };
+  auto set = [](float v) { return _mm256_set1_ps(v); };
+  auto sum = [](V v) {
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    return t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+  };
+#else
+  using V = float;
+  constexpr int LANES = 1;
+  auto fma = [](V a, V b, V c) { return a * b + c; };
+  auto set = [](float v) { return v; };
+  auto sum = [](V v) { return v; };
+#endif
+  constexpr int CHAINS = 16;
+  const int threads = at::get_num_threads();
+  std::vector<double> seconds(threads, 0.0);
+  std::vector<float> sink(threads, 0.0f);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      V acc[CHAINS];
+      for (int c = 0; c < CHAINS; ++c) acc[c] = set(0.001f * c);
+      const V a = set(0.999999f), b = set(1e-7f);
+      const double start = thread_seconds();
+      for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 16
+        for (int c = 0; c < CHAINS; ++c) acc[c] = fma(acc[c], a, b);
+        asm volatile("" : : : "memory");
+      }
+      seconds[t] = thread_seconds() - start;
+      V s = acc[0];
+      for (int c = 1; c < CHAINS; ++c) s = fma(s, a, acc[c]);
+      sink[t] = sum(s);  // the chains are used, so the loop is not removed
+    }
+  });
+  const double slowest = *std::max_element(seconds.begin(), seconds.end());
+  const double flops = 2.0 * LANES * CHAINS * static_cast<double>(iters) * threads;
+  return sink[0] == 12345.0f ? 0.0 : flops / std::max(slowest, 1e-9) / 1e9;
 }
 
 at::Tensor pack_gemm_weight(const at::Tensor& w) {
@@ -114,6 +177,7 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a float32 or bfloat16 CPU tensor [M, K], contiguous rows");
   if (x.scalar_type() == at::kBFloat16) return gemm_packed_bf16(x, packed, n, bias);
+  if (packed.scalar_type() != at::kFloat) return gemm_packed_w16(x, packed, n, bias);
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 &&
                   packed.size(1) == x.size(1) && packed.size(2) == PANEL &&
                   packed.size(0) == (n + PANEL - 1) / PANEL && packed.is_contiguous(),
@@ -137,6 +201,9 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("gemm_vectorized() -> bool", &pagedllm::gemm_vectorized);
   m.def("gemm_bf16_vectorized() -> bool", &pagedllm::gemm_bf16_vectorized);
+  m.def("gemm_isa() -> str", &pagedllm::gemm_isa);
+  m.def("gemm_fma_peak(int iters) -> float", &pagedllm::gemm_fma_peak);
+  m.def("pack_gemm_weight_w16(Tensor w) -> Tensor", &pagedllm::pack_gemm_weight_w16);
   m.def("pack_gemm_weight(Tensor w) -> Tensor", &pagedllm::pack_gemm_weight);
   m.def("gemm_packed(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor",
         &pagedllm::gemm_packed);

@@ -33,12 +33,14 @@ inline void gemm_prefetch(GemmAhead ahead, int64_t i) {
 // One register tile: rows x[0:R] (row stride ldx) times a panel of k_n values per column ->
 // y[0:R, 0:n_valid] (row stride ldy), plus bias[0:n_valid] where bias is not null, fetching
 // its share of the next panel (gemm_prefetch; the tile may ignore it).
-template <typename T>
-using GemmTile = void (*)(const T* x, int64_t ldx, const T* panel, int64_t k_n, const T* bias,
+// W: the panel's element type where it differs from x's (gemm_w16.cpp: 16-bit weights, fp32 x).
+template <typename T, typename W = T>
+using GemmTile = void (*)(const T* x, int64_t ldx, const W* panel, int64_t k_n, const T* bias,
                           T* y, int64_t ldy, int64_t n_valid, GemmAhead ahead);
 
 // The loop both GEMMs share: y[m, n] from x[m, k] (row stride ldx) and panels of panel_size
-// elements, 128 bytes of panel per iteration of a tile's k loop (fp32: one k, bf16: a k pair).
+// elements, iter_bytes of panel per iteration of a tile's k loop (fp32: 128, one k; bf16: 128,
+// a k pair; gemm_w16.cpp's 16-bit weights: 64, one k).
 // Panels are split over the threads (each thread's panels stay in its L1/L2 while it walks all
 // M rows, and no thread waits on another's rows); calls under min_macs multiply-adds stay on
 // the calling thread, where waking the others costs more than they save. tiles[R] is the tile
@@ -47,19 +49,21 @@ using GemmTile = void (*)(const T* x, int64_t ldx, const T* panel, int64_t k_n, 
 // spans the whole panel's compute, not only its first tile's (125M decode step, 15 rows: 1.2x).
 // Tiles are of equal height (15 rows: 8 + 7, 17: 6 + 6 + 5), not 8 and a remainder: a 1-row
 // tile waits on its two accumulators' FMA latency for as long as an 8-row tile computes.
-template <typename T>
-void gemm_panels(const T* x, int64_t ldx, const T* w, int64_t panel_size, const T* bias, T* y,
-                 int64_t m, int64_t n, int64_t k, const GemmTile<T>* tiles, int64_t min_macs) {
+template <typename T, typename W = T>
+void gemm_panels(const T* x, int64_t ldx, const W* w, int64_t panel_size, const T* bias, T* y,
+                 int64_t m, int64_t n, int64_t k, const GemmTile<T, W>* tiles, int64_t min_macs,
+                 int64_t iter_bytes = 128) {
   const int64_t panels = (n + GEMM_PANEL - 1) / GEMM_PANEL;
   const int64_t grain = m * n * k < min_macs ? panels : 1;
-  const int64_t lines = panel_size * static_cast<int64_t>(sizeof(T)) / 64, iters = lines / 2;
+  const int64_t bytes = panel_size * static_cast<int64_t>(sizeof(W));
+  const int64_t lines = bytes / 64, iters = bytes / iter_bytes;
   at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t r0 = 0; r0 < m; r0 += GEMM_M_CHUNK) {  // these rows of x stay in L2
       const int64_t rows = std::min(m, r0 + GEMM_M_CHUNK) - r0;
       const int64_t count = (rows + GEMM_MR - 1) / GEMM_MR;
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t col = p * GEMM_PANEL, n_valid = std::min(GEMM_PANEL, n - col);
-        const T* panel = w + p * panel_size;
+        const W* panel = w + p * panel_size;
         const char* next = reinterpret_cast<const char*>(p + 1 < p1 ? panel + panel_size : panel);
         for (int64_t t = 0, r = r0; t < count; ++t) {
           const int64_t height = rows * (t + 1) / count - rows * t / count;
@@ -77,7 +81,11 @@ void gemm_panels(const T* x, int64_t ldx, const T* w, int64_t panel_size, const 
 at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                        const std::optional<at::Tensor>& bias);
 
+bool gemm_vectorized();
 bool gemm_bf16_vectorized();
+at::Tensor pack_gemm_weight_w16(const at::Tensor& w);
+at::Tensor gemm_packed_w16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                           const std::optional<at::Tensor>& bias);
 at::Tensor pack_gemm_weight_bf16(const at::Tensor& w);
 at::Tensor gemm_packed_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                             const std::optional<at::Tensor>& bias);
