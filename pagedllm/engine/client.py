@@ -147,6 +147,7 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="pagedllm-tokenizer")
+        self.num_tokenizer_jobs = 0  # prompts and /tokenize calls: the front end's own work
 
     # -- for subclasses ---------------------------------------------------------------------------
     def _send(self, msg: ToCore) -> None:
@@ -171,6 +172,7 @@ class EngineClient:
         self._check_running()
         assert self._loop is not None
         arrival = time.monotonic()
+        self.num_tokenizer_jobs += 1
         ids = await self._loop.run_in_executor(self._tokenizer_thread, self._prompt_ids, prompt)
         self._check_running()
         if request_id in self._streams or request_id in self._accepts:
@@ -199,7 +201,12 @@ class EngineClient:
     async def run_on_tokenizer_thread(self, fn: Callable[[FrontEnd], Any]) -> Any:
         """``fn(frontend)`` on the tokenizer thread (``/tokenize``, ``/detokenize``)."""
         assert self._loop is not None
+        self.num_tokenizer_jobs += 1
         return await self._loop.run_in_executor(self._tokenizer_thread, fn, self.frontend)
+
+    def is_idle(self) -> bool:
+        """No request in flight or waiting to be accepted."""
+        return not self._streams and not self._accepts
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent); the core frees its blocks."""

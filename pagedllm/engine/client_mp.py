@@ -10,8 +10,10 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from typing import TYPE_CHECKING, Any
 
+from pagedllm._malloc import IdleRelease
 from pagedllm.config import EngineConfig
 from pagedllm.engine.client import EngineClient, EngineUnavailable, FrontEnd, ServerShuttingDown
 from pagedllm.engine.messages import CoreDead, Ready, Shutdown, ToCore
@@ -47,6 +49,9 @@ class MPClient(EngineClient):
         self._pull: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        # The front end tokenizes (a 1 MB prompt is ~20 MiB of token ids) and holds request
+        # bodies; like the core's loop, it gives what a burst freed back once idle.
+        self.idle_release = IdleRelease()
 
     async def start(self) -> None:
         """Start the core process and wait until its engine is built (weights loaded, KV pool
@@ -116,8 +121,15 @@ class MPClient(EngineClient):
         """The core process's death, seen within ``WATCH_S``: health goes down, every stream
         ends with an error naming the cause."""
         assert self.proc is not None
+        jobs, last_work = self.num_tokenizer_jobs, time.monotonic()
         while self.proc.is_alive():
             await asyncio.sleep(WATCH_S)
+            if not self.is_idle() or jobs != self.num_tokenizer_jobs:
+                jobs, last_work = self.num_tokenizer_jobs, time.monotonic()
+                self.idle_release.worked()
+            elif (self.idle_release.wait_s is not None
+                  and time.monotonic() - last_work >= self.idle_release.after_s):
+                await asyncio.to_thread(self.idle_release.idle)  # once per idle spell
         await asyncio.sleep(WATCH_S)  # its last messages (CoreDead) first, if it sent any
         if not self._stopping or self._streams:
             self._on_dead(f"the engine core process (pid {self.proc.pid}) "
