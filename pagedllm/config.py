@@ -362,8 +362,13 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None  # pagedllm/spec_decode (None: off)
+    # A request's tokens and logprobs have the same bits whatever else is in the batch: every
+    # reduction in one fixed order per output (README "Batch-invariant mode"). CPU only.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
+        if self.batch_invariant:
+            self._check_batch_invariant()
         dev = self.device
         if not (dev == "cpu" or dev == "cuda" or re.fullmatch(r"cuda:\d+", dev)):
             raise ValueError(f"device={dev!r} must be 'cpu', 'cuda' or 'cuda:N'")
@@ -374,6 +379,25 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
             )
+
+    def _check_batch_invariant(self) -> None:
+        """What batch-invariant mode does not cover yet, refused by name."""
+        conflicts = [
+            (self.device != "cpu", f"device={self.device!r}: on CUDA the linear layers run "
+             "cuBLAS, whose kernel depends on the row count; use --device cpu"),
+            (self.linear_backend not in ("auto", "gemm"), f"linear_backend="
+             f"{self.linear_backend!r}: its kernel depends on the row count; use "
+             "--linear-backend auto"),
+            (not self.fused_ops, "fused_ops=False: torch's RMSNorm reduction may split a row "
+             "by the batch; drop --no-fused-ops"),
+            (self.parallel.tensor_parallel_size > 1, "tensor_parallel_size > 1: the all-reduce "
+             "sums in an order set by the tensor's size; use -tp 1"),
+            (self.speculative is not None, "speculative decoding is not covered; drop "
+             "--speculative-config"),
+        ]
+        for bad, why in conflicts:
+            if bad:
+                raise ValueError(f"--batch-invariant: {why}, or drop --batch-invariant")
 
     @property
     def is_cuda(self) -> bool:

@@ -52,16 +52,16 @@ class Linear(nn.Linear):
     kind: str = "torch"  # "torch" (F.linear on weight), "onednn" or "gemm": what ``packed`` is
     gemv: bool = False  # packed for oneDNN, and a single row still goes to F.linear on the plain weight
 
-    def pack(self, keep_weight: bool = False, backend: str = "auto") -> bool:
+    def pack(self, keep_weight: bool = False, backend: str = "auto", any_width: bool = False) -> bool:
         """Pack the weight (``backend`` "auto": "gemm" where it runs, else "onednn"; or either
         by name); False (and nothing changes) where no packing runs it: not on CPU, no oneDNN,
         or a dtype it does not run here (``onednn_dtypes``, ``gemm_runs``). "auto" takes the
         GEMM for every dtype it runs: in the engine, side by side with oneDNN, 1.06-1.07x
-        output tok/s in fp32 and 1.06x in bf16 (125M model)."""
+        output tok/s in fp32 and 1.06x in bf16 (125M model). ``any_width``: ``gemm_runs``'s."""
         w = self.weight
         if w.device.type != "cpu" or self.packed is not None:
             return False
-        if backend in ("auto", "gemm") and gemm_runs(w):
+        if backend in ("auto", "gemm") and gemm_runs(w, any_width):
             self.packed, self.kind = torch.ops.pagedllm.pack_gemm_weight(w.detach()), "gemm"
         elif backend != "gemm" and w.dtype in onednn_dtypes():
             self.packed, self.kind = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), "onednn"
@@ -106,14 +106,16 @@ def gemm_dtypes() -> tuple[torch.dtype, ...]:
     return tuple(dtype for dtype, ok in runs if ok)
 
 
-def gemm_runs(w: torch.Tensor) -> bool:
+def gemm_runs(w: torch.Tensor, any_width: bool = False) -> bool:
     """Whether ``torch.ops.pagedllm.gemm_packed`` takes this weight: on CPU, an output width
     that is a multiple of 32 (the panel width, so the decoder-layer ops know it from the packed
-    shape), and a dtype in ``gemm_dtypes``."""
-    return w.device.type == "cpu" and w.shape[0] % 32 == 0 and w.dtype in gemm_dtypes()
+    shape; ``any_width``: any, the last panel zero-padded, for ``matmul`` alone, which passes
+    the width), and a dtype in ``gemm_dtypes``."""
+    return (w.device.type == "cpu" and (any_width or w.shape[0] % 32 == 0)
+            and w.dtype in gemm_dtypes())
 
 
-def pack_linears(model: nn.Module, backend: str = "auto") -> int:
+def pack_linears(model: nn.Module, backend: str = "auto", any_width: bool = False) -> int:
     """Pack every ``Linear`` of ``model`` (see ``Linear.pack``); returns how many were.
 
     A weight shared with another module (lm_head tied to the input embedding) is packed as a
@@ -122,8 +124,27 @@ def pack_linears(model: nn.Module, backend: str = "auto") -> int:
     for m in model.modules():
         for p in m.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
-    return sum(m.pack(keep_weight=owners[id(m.weight)] > 1, backend=backend)
+    return sum(m.pack(keep_weight=owners[id(m.weight)] > 1, backend=backend, any_width=any_width)
                for m in model.modules() if isinstance(m, Linear))
+
+
+def pack_batch_invariant(model: nn.Module) -> bool:
+    """Batch-invariant mode: every ``Linear`` of ``model`` on pagedllm's GEMM, whatever its
+    width. Each of its outputs is one fp32 sum in k order, by the same instructions at every
+    row count (gemm.h: rows only pick the register tile's height), so a row's bits do not
+    depend on the other rows; oneDNN's kernel and blocking, and F.linear's 1-row GEMV, do.
+    Returns whether every width is a multiple of 32 (else the decoder-layer ops, which read the
+    width from the packed shape, cannot take the model). Raises ValueError naming the flag
+    where the GEMM does not run."""
+    pack_linears(model, "gemm", any_width=True)
+    left = {str(m.weight.dtype) for m in model.modules() if isinstance(m, Linear) and m.kind != "gemm"}
+    if left:
+        raise ValueError(
+            f"--batch-invariant runs every linear layer on pagedllm's CPU GEMM, which does not "
+            f"run {', '.join(sorted(left))} here (it runs: "
+            f"{', '.join(map(str, gemm_dtypes())) or 'nothing: the CPU kernels are unavailable'}); "
+            f"use --dtype float32 (or bfloat16 on a CPU with AVX512-BF16), or drop --batch-invariant")
+    return all(m.out_features % 32 == 0 for m in model.modules() if isinstance(m, Linear))
 
 
 class MergedLinear(Linear):
