@@ -199,3 +199,25 @@ def test_unseeded_request_has_its_own_generator(tiny_models: dict[str, Path],
     alone = _generate(LLM(**base), [target], params)["target"]
     amid = _generate(LLM(**base), [*others[:7], target, *others[7:]], params)["target"]
     assert (amid == alone) is invariant
+
+
+def test_matches_hf(odd_model: Path) -> None:
+    """The mode on the odd-width, windowed model against HF transformers: greedy tokens equal,
+    logprobs within 1e-4 (fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(2)
+    prompts = [_prompt(rng, n, ODD["vocab_size"]) for n in (3, 120, PROMPT_LEN)]
+    hf = AutoModelForCausalLM.from_pretrained(odd_model, dtype=torch.float32).eval()
+    llm = LLM(model=str(odd_model), batch_invariant=True, max_model_len=384,
+              max_num_batched_tokens=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for p, out in zip(prompts, outs, strict=True):
+        ids = list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            ref = hf(torch.tensor([p + ids])).logits[0, len(p) - 1 : -1].float().log_softmax(-1)
+        assert ids == ref.argmax(-1).tolist()
+        assert out.outputs[0].logprobs is not None
+        for step, tok in enumerate(ids):
+            assert abs(out.outputs[0].logprobs[step][tok].logprob - ref[step, tok].item()) < 1e-4
