@@ -5,6 +5,9 @@ prefix-cache hit on part of its prompt, and after preemption; in fp32 and bf16, 
 seeded. A golden is the request run alone; every float is compared by its bits
 (``float.hex``).
 
+The default suite runs each dtype on a few positions, preemption by recompute; ``-m slow`` adds
+more positions and preemption by swap.
+
 The model is built to hit what made a request's bits depend on its batch: widths that are not
 multiples of 32 (vocab 500, hidden 72, intermediate 200: oneDNN, and F.linear's 1-row GEMV, in
 the default mode) and a sliding window of 100 over 250-token prompts (the CPU attention
@@ -104,10 +107,11 @@ class Scenarios:
         assert hits >= 2 * 144, f"meant to hit the cache: {hits} tokens hit"
         return [signature(o) for o in outs]
 
-    def preempted(self) -> list[tuple[Any, ...]]:
+    def preempted(self, mode: str = "recompute") -> list[tuple[Any, ...]]:
         # 24 blocks of 16 tokens: 8 short requests generating 60 tokens each outgrow the pool,
-        # and the targets, which arrive last, are preempted first (by recompute)
-        llm = LLM(**self.base, block_size=16, num_kv_blocks=24, max_num_batched_tokens=64)
+        # and the targets, which arrive last, are preempted first
+        llm = LLM(**self.base, block_size=16, num_kv_blocks=24, max_num_batched_tokens=64,
+                  preemption_mode=mode, swap_space=0.01 if mode == "swap" else 0)
         others = [o[:40] for o in self.others[:8]]
         outs = self.run(llm, others, [8, 9], [SamplingParams(max_tokens=60, ignore_eos=True)] * 8)
         assert all(o.metrics.num_preemptions > 0 for o in outs), "meant to be preempted"
@@ -121,6 +125,7 @@ def check_invariant(s: Scenarios, quick: bool) -> None:
             "chunked prefill": s.chunked(), "prefix-cache hit": s.prefix_hit(),
             "preemption": s.preempted()}
     if not quick:
+        runs["preemption by swap"] = s.preempted("swap")
         runs["amid 15, positions 7 and 8"] = s.amid(16, [7, 8])
         runs["amid 63, positions 63 and 0"] = s.amid(64, [63, 0])
     for name, got in runs.items():
