@@ -362,9 +362,7 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None  # pagedllm/spec_decode (None: off)
-    # A request's tokens and logprobs have the same bits whatever else is in the batch: every
-    # reduction in one fixed order per output (README "Batch-invariant mode"). CPU only.
-    batch_invariant: bool = False
+    batch_invariant: bool = False  # a request's bits whatever the batch (README); CPU only
 
     def __post_init__(self) -> None:
         if self.batch_invariant:
@@ -381,21 +379,13 @@ class EngineConfig:
             )
 
     def _check_batch_invariant(self) -> None:
-        """What batch-invariant mode does not cover yet, refused by name."""
-        conflicts = [
-            (self.device != "cpu", f"device={self.device!r}: on CUDA the linear layers run "
-             "cuBLAS, whose kernel depends on the row count; use --device cpu"),
-            (self.linear_backend not in ("auto", "gemm"), f"linear_backend="
-             f"{self.linear_backend!r}: its kernel depends on the row count; use "
-             "--linear-backend auto"),
-            (not self.fused_ops, "fused_ops=False: torch's RMSNorm reduction may split a row "
-             "by the batch; drop --no-fused-ops"),
-            (self.parallel.tensor_parallel_size > 1, "tensor_parallel_size > 1: the all-reduce "
-             "sums in an order set by the tensor's size; use -tp 1"),
-            (self.speculative is not None, "speculative decoding is not covered; drop "
-             "--speculative-config"),
-        ]
-        for bad, why in conflicts:
+        """What batch-invariant mode does not cover, refused by name."""
+        for bad, why in [
+            (self.device != "cpu", "CUDA's cuBLAS kernels follow the rows; use --device cpu"),
+            (self.linear_backend not in ("auto", "gemm"), "use --linear-backend auto"),
+            (not self.fused_ops, "torch's RMSNorm may split a row; drop --no-fused-ops"),
+            (self.parallel.tensor_parallel_size > 1, "the all-reduce's order varies; use -tp 1"),
+            (self.speculative is not None, "not covered; drop --speculative-config")]:
             if bad:
                 raise ValueError(f"--batch-invariant: {why}, or drop --batch-invariant")
 
