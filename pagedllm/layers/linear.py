@@ -128,14 +128,14 @@ def pack_linears(model: nn.Module, backend: str = "auto", any_width: bool = Fals
                for m in model.modules() if isinstance(m, Linear))
 
 
-def pack_batch_invariant(model: nn.Module) -> bool:
+def pack_batch_invariant(model: nn.Module) -> int:
     """Batch-invariant mode: every ``Linear`` of ``model`` on pagedllm's GEMM, whatever its
     width. Each of its outputs is one fp32 sum in k order, by the same instructions at every
     row count (gemm.h: rows only pick the register tile's height), so a row's bits do not
     depend on the other rows; oneDNN's kernel and blocking, and F.linear's 1-row GEMV, do.
-    Returns whether every width is a multiple of 32 (else the decoder-layer ops, which read the
-    width from the packed shape, cannot take the model). Raises ValueError naming the flag
-    where the GEMM does not run."""
+    A decoder layer with a width that is not a multiple of 32 runs its modules (the two
+    decoder-layer ops read the width from the packed shape); returns how many do. Raises
+    ValueError naming the flag where the GEMM does not run."""
     pack_linears(model, "gemm", any_width=True)
     left = {str(m.weight.dtype) for m in model.modules() if isinstance(m, Linear) and m.kind != "gemm"}
     if left:
@@ -144,7 +144,11 @@ def pack_batch_invariant(model: nn.Module) -> bool:
             f"run {', '.join(sorted(left))} here (it runs: "
             f"{', '.join(map(str, gemm_dtypes())) or 'nothing: the CPU kernels are unavailable'}); "
             f"use --dtype float32 (or bfloat16 on a CPU with AVX512-BF16), or drop --batch-invariant")
-    return all(m.out_features % 32 == 0 for m in model.modules() if isinstance(m, Linear))
+    odd = [layer for layer in model.modules() if isinstance(getattr(type(layer), "fused_layer", None), bool)
+           and any(isinstance(m, Linear) and m.out_features % 32 for m in layer.modules())]
+    for layer in odd:
+        kernels.set_fused_ops(layer, False, "fused_layer")
+    return len(odd)
 
 
 class MergedLinear(Linear):

@@ -101,11 +101,9 @@ class ModelRunner:
         kernels.set_fused_ops(self.model, config.fused_layers, "fused_layer")
         if self.device.type == "cpu":
             if config.batch_invariant:
-                if not pack_batch_invariant(self.model):
-                    # a width the decoder-layer ops cannot read from the packed shape
-                    kernels.set_fused_ops(self.model, False, "fused_layer")
-                    logger.info("batch-invariant mode: a linear width is not a multiple of 32, "
-                                "so the decoder layers run their modules one by one")
+                if n := pack_batch_invariant(self.model):
+                    logger.info("batch-invariant mode: %d decoder layers have a linear width that "
+                                "is not a multiple of 32 and run their modules one by one", n)
             elif config.linear_backend != "torch":
                 pack_linears(self.model, config.linear_backend)
             if config.linear_backend != "torch" or config.batch_invariant:

@@ -172,6 +172,20 @@ def test_fused_layer_path(tiny_models: dict[str, Path]) -> None:
                                          "prefix-cache hit"))
 
 
+def test_an_odd_width_outside_the_layers_keeps_them_fused(make_model: Any,
+                                                         odd_model: Path) -> None:
+    """A vocabulary of 500 (the LM head alone) leaves the decoder layers on the two C++ ops;
+    the odd model's MLP width (200) sends its layers through their modules."""
+    from pagedllm.layers.linear import Linear
+    from pagedllm.models.llama import LlamaDecoderLayer
+
+    for path, fused in ((make_model("llama", vocab_size=500), True), (odd_model, False)):
+        model = LLM(model=str(path), batch_invariant=True, max_model_len=384).engine.runner.model
+        assert all(m.fused_layer is fused for m in model.modules()
+                   if isinstance(m, LlamaDecoderLayer))
+        assert all(m.kind == "gemm" for m in model.modules() if isinstance(m, Linear))
+
+
 def _skip_unless_gemm(dtype: str) -> None:
     import torch
 
