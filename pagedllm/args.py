@@ -86,6 +86,11 @@ class EngineArgs:
     fused_layers: bool = setting(
         _E.fused_layers, "CPU, with --fused-ops: each decoder layer as two C++ ops around its "
         "attention; --no-fused-layers calls its modules one by one")
+    batch_invariant: bool = setting(
+        _E.batch_invariant, "CPU: a request's tokens and logprobs have the same bits whatever "
+        "else is in the batch (its neighbours, prefill chunking, prefix-cache hits, preemption): "
+        "every linear on pagedllm's GEMM, attention on a fixed tile grid, a generator per "
+        "sampled request")
     tensor_parallel_size: int = setting(
         _P.tensor_parallel_size, "shard the model over N ranks (worker processes; CPU/gloo)", "-tp")
     distributed_executor_backend: str = setting(
@@ -216,6 +221,7 @@ class EngineArgs:
             linear_backend=self.linear_backend,
             fused_ops=self.fused_ops,
             fused_layers=self.fused_layers,
+            batch_invariant=self.batch_invariant,
             generation_config=self.generation_config,
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
             speculative=SpeculativeConfig.parse(self.speculative_config),

@@ -112,9 +112,7 @@ class ModelConfig:
     sliding_window: int | None
     dtype: str
     bos_token_id: int | None = None
-    # CPU: the 16-bit dtype linear weights are kept in while ``dtype`` (then float32) computes,
-    # on a CPU without that dtype's arithmetic (layers/linear.py w16_dtype); None: ``dtype``
-    weight_dtype: str | None = None
+    weight_dtype: str | None = None  # 16-bit linear weights, fp32 compute (linear.w16_dtype)
     eos_token_ids: tuple[int, ...] = ()
     full_attention_layers: tuple[int, ...] = ()  # unwindowed despite sliding_window (Qwen2)
 
@@ -214,8 +212,7 @@ class CacheConfig:
     initial_num_kv_blocks: int | None = None
     grow_chunk: int = 64
     # Compaction triggers (``LLMEngine.defragment`` is always available on demand): every N steps,
-    # and/or when KV utilization (live tokens / the slots their block tables reserve,
-    # ``sched.memory.kv_utilization``) stays below a threshold for
+    # and/or when KV utilization (``sched.memory.kv_utilization``) stays below a threshold for
     # ``compact_window_steps`` consecutive steps.
     compact_every_n_steps: int | None = None
     compact_below_utilization: float | None = None
@@ -226,9 +223,7 @@ class CacheConfig:
     v_cache_dtype: str = "auto"
     # Allocation event trace (pagedllm.kv.trace): a JSONL file written while the engine runs.
     kv_trace_path: str | None = None
-    # Publish the KV events (kv/events.py) per step on a ZMQ PUB socket bound here
-    # (kv/publisher.py).
-    kv_events_endpoint: str | None = None
+    kv_events_endpoint: str | None = None  # ZMQ PUB of each step's KV events (kv/publisher.py)
     # Sliding-window models: free the blocks that leave every layer's window (kv/window.py).
     free_window_blocks: bool = True
 
@@ -368,8 +363,10 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None  # pagedllm/spec_decode (None: off)
+    batch_invariant: bool = False  # a request's bits whatever the batch (README); CPU only
 
     def __post_init__(self) -> None:
+        self._check_batch_invariant()
         dev = self.device
         if not (dev == "cpu" or dev == "cuda" or re.fullmatch(r"cuda:\d+", dev)):
             raise ValueError(f"device={dev!r} must be 'cpu', 'cuda' or 'cuda:N'")
@@ -380,6 +377,17 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
             )
+
+    def _check_batch_invariant(self) -> None:
+        """What batch-invariant mode does not cover, refused by name."""
+        for bad, why in [
+            (self.device != "cpu", "CUDA's cuBLAS kernels follow the rows; use --device cpu"),
+            (self.linear_backend not in ("auto", "gemm"), "use --linear-backend auto"),
+            (not self.fused_ops, "torch's RMSNorm may split a row; drop --no-fused-ops"),
+            (self.parallel.tensor_parallel_size > 1, "the all-reduce's order varies; use -tp 1"),
+            (self.speculative is not None, "not covered; drop --speculative-config")]:
+            if bad and self.batch_invariant:
+                raise ValueError(f"--batch-invariant: {why}, or drop --batch-invariant")
 
     @property
     def is_cuda(self) -> bool:

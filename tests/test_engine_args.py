@@ -183,3 +183,31 @@ def test_readme_lists_every_option_in_order() -> None:
     block = readme[readme.index("-->", start) + 3:readme.index("<!-- /engine-options -->")]
     listed = [m for m in re.findall(r"`([a-z_]+)`", block) if m in {f.name for f in FIELDS}]
     assert listed == [f.name for f in FIELDS]
+
+
+@pytest.mark.parametrize("change,names", [
+    ({"device": "cuda"}, "--device cpu"),
+    ({"linear_backend": "onednn"}, "--linear-backend auto"),
+    ({"fused_ops": False}, "--no-fused-ops"),
+    ({"tensor_parallel_size": 2}, "-tp 1"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+     "--speculative-config"),
+])
+def test_batch_invariant_refuses_what_it_does_not_cover(tiny_models: dict[str, Path],
+                                                        change: dict[str, object],
+                                                        names: str) -> None:
+    args = EngineArgs(model=str(tiny_models["llama"]), batch_invariant=True, **change)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="--batch-invariant") as e:
+        args.create_engine_config()
+    assert names in str(e.value)
+    EngineArgs(model=str(tiny_models["llama"]), **change).create_engine_config()  # type: ignore[arg-type]
+
+
+def test_batch_invariant_refuses_a_backend_and_dtype_it_cannot_run(
+        tiny_models: dict[str, Path]) -> None:
+    from pagedllm import LLM
+
+    with pytest.raises(ValueError, match="--attention-backend cpu"):
+        LLM(model=str(tiny_models["llama"]), batch_invariant=True, attention_backend="torch_ref")
+    with pytest.raises(ValueError, match="--dtype float32"):
+        LLM(model=str(tiny_models["llama"]), batch_invariant=True, dtype="float16")

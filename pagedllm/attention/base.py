@@ -74,6 +74,9 @@ class AttentionBackend(ABC):
     # (max_query_len == 1) it reads no host data (neither host list) and sizes its grid from
     # ``max_seq_len`` alone, which a graph fixes at max_model_len.
     supports_cuda_graphs: bool = False
+    # Takes ``batch_invariant=True`` in its constructor: then a query row's output has the same
+    # bits whatever else is in the step (neighbours, chunking, a prefix-cache hit).
+    supports_batch_invariant: bool = False
 
     @abstractmethod
     def forward(

@@ -78,9 +78,12 @@ def paged_attention(
     sliding_window: int | None,
     out: torch.Tensor,
     max_query_len: int,
+    fixed_tiles: bool = False,
 ) -> None:
     """``out`` rows of every request of the step with at most ``max_query_len`` query tokens
-    (1: decode only), through the C++ kernel; other rows are left as they are. q/out
+    (1: decode only), through the C++ kernel; other rows are left as they are. ``fixed_tiles``:
+    a sliding window's tiles on the grid of multiples of 64 positions, so that a row's bits do
+    not depend on the chunk it is computed in (batch-invariant mode). q/out
     [T, Hq, D] (fp32/fp16/bf16), caches [num_blocks, block_size, Hkv, D] plain
     (fp32/fp16/bf16) or ``QuantizedKV`` (int8/fp8); the kernel checks shapes, dtypes and
     strides."""
@@ -89,20 +92,28 @@ def paged_attention(
 
     torch.ops.pagedllm.paged_attention(
         q, *parts(k_cache), *parts(v_cache), meta.block_tables, meta.seq_lens,
-        meta.query_start_loc, out, scale, sliding_window, max_query_len)
+        meta.query_start_loc, out, scale, sliding_window, max_query_len, fixed_tiles)
 
 
 class CpuBackend(AttentionBackend):
     name = "cpu"
     supports_quantized_kv = True
+    supports_batch_invariant = True
     decode_group_bytes: int = 1 << 19  # of gathered K
     workspace_bytes: int = 1 << 24  # largest K (and V) decode gather kept in the workspace
 
-    def __init__(self, use_kernel: bool | None = None) -> None:
-        """``use_kernel``: decode through the C++ kernel (None: when it builds or is cached)."""
+    def __init__(self, use_kernel: bool | None = None, batch_invariant: bool = False) -> None:
+        """``use_kernel``: decode through the C++ kernel (None: when it builds or is cached).
+        ``batch_invariant``: every row through the kernel, on its fixed tile grid (a row's
+        bits depend on its request alone; the SDPA path's sums depend on the decode group)."""
         self.use_kernel = kernels.available() if use_kernel is None else use_kernel
-        if self.use_kernel and not kernels.available():
-            raise RuntimeError(f"CPU kernels unavailable: {kernels.unavailable_reason()}")
+        if (self.use_kernel or batch_invariant) and not kernels.available():
+            raise RuntimeError(f"CPU kernels unavailable: {kernels.unavailable_reason()}"
+                               + ("; --batch-invariant needs them" if batch_invariant else ""))
+        if batch_invariant and not self.use_kernel:
+            raise ValueError("batch_invariant attention runs on the C++ kernel; use_kernel=False "
+                             "takes the SDPA path, whose sums depend on the batch")
+        self.batch_invariant = batch_invariant
         # fp32 [2, n] K and V gather buffers reused by every decode call (of every layer): a
         # fresh allocation per call of a few hundred KiB and up costs page faults, measured
         # 1.9x the time of the whole decode call at 16 x 128 tokens in blocks of 256.
@@ -147,7 +158,8 @@ class CpuBackend(AttentionBackend):
         models/llama.py, writes them itself): q [T, Hq, D] -> [T, Hq, D]."""
         out = torch.empty_like(q)
         if self.use_kernel:  # every request of the step, decode and prefill, in one call
-            paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, out, q.shape[0])
+            paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, out, q.shape[0],
+                            self.batch_invariant)
             return out
         for decode, reqs, max_len in self._step_plan(meta, k_cache.shape[2] * k_cache.shape[3] * 4):
             if decode:

@@ -26,8 +26,9 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def get_backend(name: str | None, device: str) -> AttentionBackend:
-    """A fresh backend instance; ``name=None`` picks "cpu" on CPU and "triton" on CUDA."""
+def get_backend(name: str | None, device: str, batch_invariant: bool = False) -> AttentionBackend:
+    """A fresh backend instance; ``name=None`` picks "cpu" on CPU and "triton" on CUDA.
+    ``batch_invariant``: the backend's batch-invariant mode (``supports_batch_invariant``)."""
     if name is None:
         name = "triton" if str(device).startswith("cuda") else "cpu"
     if name not in _BACKENDS and name in _LAZY_MODULES:
@@ -43,4 +44,11 @@ def get_backend(name: str | None, device: str) -> AttentionBackend:
             f"unknown attention backend {name!r}; registered backends: "
             f"{', '.join(available_backends())}"
         )
-    return _BACKENDS[name]()
+    cls = _BACKENDS[name]
+    if not batch_invariant:
+        return cls()
+    if not cls.supports_batch_invariant:
+        ok = [n for n, c in sorted(_BACKENDS.items()) if c.supports_batch_invariant]
+        raise ValueError(f"attention backend {name!r} has no batch-invariant mode; with "
+                         f"--batch-invariant use --attention-backend {' or '.join(ok)}")
+    return cls(batch_invariant=True)  # type: ignore[call-arg]

@@ -190,9 +190,12 @@ class OutputProcessor:
 
     def _record_prompt_logprobs(self, req: Request, chunk: PromptLogprobsChunk) -> None:
         assert req.prompt_logprobs is not None
-        if chunk.start != len(req.prompt_logprobs):
-            return  # a recomputation after preemption: these positions are already recorded
-        for j, (lp, rank) in enumerate(zip(chunk.chosen, chunk.ranks)):
+        # A recomputation after preemption repeats positions already recorded, in chunks that
+        # need not start where the first pass's did: only the positions past them are new.
+        skip = len(req.prompt_logprobs) - chunk.start
+        if skip < 0:
+            return
+        for j, (lp, rank) in enumerate(zip(chunk.chosen[skip:], chunk.ranks[skip:]), skip):
             tid = req.prompt_token_ids[chunk.start + j]
             pos: PositionLogprobs = {
                 t: Logprob(v, r, self._token_text(t))

@@ -53,7 +53,7 @@ class Linear(nn.Linear):
     gemv: bool = False  # packed for oneDNN, and a single row still goes to F.linear on the plain weight
 
     def pack(self, keep_weight: bool = False, backend: str = "auto",
-             weight_dtype: torch.dtype | None = None) -> bool:
+             weight_dtype: torch.dtype | None = None, any_width: bool = False) -> bool:
         """Pack the weight (``backend`` "auto": "gemm" where it runs, else "onednn"; or either
         by name); False (and nothing changes) where no packing runs it: not on CPU, no oneDNN,
         or a dtype it does not run here (``onednn_dtypes``, ``gemm_runs``). "auto" takes the
@@ -63,14 +63,14 @@ class Linear(nn.Linear):
         ``weight_dtype`` (bfloat16 / float16, for a float32 layer; ``w16_dtype``): the GEMM
         keeps the weight in that dtype and widens it to fp32 in registers (half the bytes a
         decode step reads; kernels/csrc/gemm_w16.cpp); where the GEMM does not take the layer
-        it is packed as without it."""
+        it is packed as without it. ``any_width``: ``gemm_runs``'s."""
         w = self.weight
         if w.device.type != "cpu" or self.packed is not None:
             return False
         if weight_dtype is not None and backend in ("auto", "gemm") and gemm_runs(w):
             self.packed = torch.ops.pagedllm.pack_gemm_weight_w16(w.detach().to(weight_dtype))
             self.kind = "gemm"
-        elif backend in ("auto", "gemm") and gemm_runs(w):
+        elif backend in ("auto", "gemm") and gemm_runs(w, any_width):
             self.packed, self.kind = torch.ops.pagedllm.pack_gemm_weight(w.detach()), "gemm"
         elif backend != "gemm" and w.dtype in onednn_dtypes():
             self.packed, self.kind = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), "onednn"
@@ -116,11 +116,13 @@ def gemm_dtypes() -> tuple[torch.dtype, ...]:
     return tuple(dtype for dtype, ok in runs if ok)
 
 
-def gemm_runs(w: torch.Tensor) -> bool:
+def gemm_runs(w: torch.Tensor, any_width: bool = False) -> bool:
     """Whether ``torch.ops.pagedllm.gemm_packed`` takes this weight: on CPU, an output width
     that is a multiple of 32 (the panel width, so the decoder-layer ops know it from the packed
-    shape), and a dtype in ``gemm_dtypes``."""
-    return w.device.type == "cpu" and w.shape[0] % 32 == 0 and w.dtype in gemm_dtypes()
+    shape; ``any_width``: any, the last panel zero-padded, for ``matmul`` alone, which passes
+    the width), and a dtype in ``gemm_dtypes``."""
+    return (w.device.type == "cpu" and (any_width or w.shape[0] % 32 == 0)
+            and w.dtype in gemm_dtypes())
 
 
 def w16_dtype(dtype: str, device: str) -> str | None:
@@ -143,7 +145,7 @@ def w16_dtype(dtype: str, device: str) -> str | None:
 
 
 def pack_linears(model: nn.Module, backend: str = "auto",
-                 weight_dtype: torch.dtype | None = None) -> int:
+                 weight_dtype: torch.dtype | None = None, any_width: bool = False) -> int:
     """Pack every ``Linear`` of ``model`` (see ``Linear.pack``); returns how many were.
 
     A weight shared with another module (lm_head tied to the input embedding) is packed as a
@@ -153,8 +155,31 @@ def pack_linears(model: nn.Module, backend: str = "auto",
         for p in m.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
     return sum(m.pack(keep_weight=owners[id(m.weight)] > 1, backend=backend,
-                      weight_dtype=weight_dtype)
+                      weight_dtype=weight_dtype, any_width=any_width)
                for m in model.modules() if isinstance(m, Linear))
+
+
+def pack_batch_invariant(model: nn.Module, weight_dtype: torch.dtype | None = None) -> int:
+    """Batch-invariant mode: every ``Linear`` of ``model`` on pagedllm's GEMM, whatever its
+    width. Each of its outputs is one fp32 sum in k order, by the same instructions at every
+    row count (gemm.h: rows only pick the register tile's height), so a row's bits do not
+    depend on the other rows; oneDNN's kernel and blocking, and F.linear's 1-row GEMV, do.
+    A decoder layer with a width that is not a multiple of 32 runs its modules (the two
+    decoder-layer ops read the width from the packed shape); returns how many do. Raises
+    ValueError naming the flag where the GEMM does not run. ``weight_dtype``: ``pack``'s."""
+    pack_linears(model, "gemm", weight_dtype, any_width=True)
+    left = {str(m.weight.dtype) for m in model.modules() if isinstance(m, Linear) and m.kind != "gemm"}
+    if left:
+        raise ValueError(
+            f"--batch-invariant runs every linear layer on pagedllm's CPU GEMM, which does not "
+            f"run {', '.join(sorted(left))} here (it runs: "
+            f"{', '.join(map(str, gemm_dtypes())) or 'nothing: the CPU kernels are unavailable'}); "
+            f"use --dtype float32 (or bfloat16 on a CPU with AVX512-BF16), or drop --batch-invariant")
+    odd = [layer for layer in model.modules() if isinstance(getattr(type(layer), "fused_layer", None), bool)
+           and any(isinstance(m, Linear) and m.out_features % 32 for m in layer.modules())]
+    for layer in odd:
+        kernels.set_fused_ops(layer, False, "fused_layer")
+    return len(odd)
 
 
 class MergedLinear(Linear):

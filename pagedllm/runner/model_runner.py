@@ -22,7 +22,7 @@ from pagedllm import _hugepages, _malloc, _openmp, kernels
 from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import TPGroup, local_kv_model
-from pagedllm.layers.linear import Linear, pack_linears
+from pagedllm.layers.linear import Linear, pack_batch_invariant, pack_linears
 from pagedllm.layers.sampler import SamplingMetadata, logprob_stats, plain_greedy, sample
 from pagedllm.logging_utils import init_logger
 from pagedllm.models.loader import load_model
@@ -90,7 +90,8 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
-        self.backend = get_backend(config.attention_backend, str(self.device))
+        self.backend = get_backend(config.attention_backend, str(self.device),
+                                   config.batch_invariant)
         self.uploader = Uploader(self.device)
         profiler = MemoryProfiler(self.device) if config.kv_sized_by_profile else None
         if profiler is not None:
@@ -99,8 +100,13 @@ class ModelRunner:
         kernels.set_fused_ops(self.model, config.fused_ops)
         kernels.set_fused_ops(self.model, config.fused_layers, "fused_layer")
         if self.device.type == "cpu":
-            if config.linear_backend != "torch":
-                w16 = config.model.weight_dtype
+            w16 = config.model.weight_dtype
+            w16_torch = None if w16 is None else getattr(torch, w16)
+            if config.batch_invariant:
+                if n := pack_batch_invariant(self.model, w16_torch):
+                    logger.info("batch-invariant mode: %d decoder layers have a linear width that "
+                                "is not a multiple of 32 and run their modules one by one", n)
+            elif config.linear_backend != "torch":
                 if w16 is not None:
                     logger.info(
                         "dtype %s: this CPU has no %s arithmetic for pagedllm's kernels (ISA %s), "
@@ -108,8 +114,8 @@ class ModelRunner:
                         "activations and KV are float32: the fastest of the three measured on "
                         "AVX2 (125M: 1.35x float32 weights, 7x %s activations on oneDNN; README "
                         "'AVX2 and AVX-512')", w16, w16, kernels.isa(), w16, w16)
-                pack_linears(self.model, config.linear_backend,
-                             None if w16 is None else getattr(torch, w16))
+                pack_linears(self.model, config.linear_backend, w16_torch)
+            if config.linear_backend != "torch" or config.batch_invariant:
                 kinds = [m.kind for m in self.model.modules() if isinstance(m, Linear)]
                 logger.info("linear layers per kind: %s", {k: kinds.count(k) for k in set(kinds)})
             if (hint := _openmp.advice(torch.get_num_threads())) is not None:
@@ -293,7 +299,8 @@ class ModelRunner:
                                     q_start[i + 1])], torch.long)]
             spec = verify.SeededRewind(sub, self.generators)
             # a grammar's row never verifies
-            md, masks = sampling_metadata(sub, self.uploader, self.generators, self.penalty_counts)
+            md, masks = sampling_metadata(sub, self.uploader, self.generators, self.penalty_counts,
+                                          self.config.seed if self.config.batch_invariant else None)
             if masks or out.token_masks is not None:
                 self.constraints.add(md, owner, sub, out.token_masks)
             # [rows, V]: fp32, or as the LM head made them where the argmax is all that is read

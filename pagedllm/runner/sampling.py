@@ -5,6 +5,8 @@ batches have none of."""
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import torch
 
@@ -16,12 +18,23 @@ from pagedllm.sched.output import ScheduledRequest
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily
 
 
+def request_seed(engine_seed: int, request_id: str) -> int:
+    """The seed of an unseeded request's own generator in batch-invariant mode: a hash of the
+    engine's seed and the request id (the same in every process; no draw from a shared
+    generator, whose state would depend on what else ran before)."""
+    digest = hashlib.sha256(f"{engine_seed}/{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 def sampling_metadata(sched: list[ScheduledRequest], up: Uploader,
                       generators: dict[str, torch.Generator],
-                      penalty_counts: PenaltyCounts) -> tuple[SamplingMetadata, bool]:
+                      penalty_counts: PenaltyCounts,
+                      unseeded: int | None = None) -> tuple[SamplingMetadata, bool]:
     """The rows' sampling parameters, and whether a row has a logit bias or allowed token ids
     (``TokenConstraints``). ``generators``: the seeded requests' generators, made here at a
-    request's first sampled step."""
+    request's first sampled step. ``unseeded``: the engine seed in batch-invariant mode, where
+    a request without a seed gets a generator too (``request_seed``); None: such requests draw
+    from the global generator, in batch order."""
     params = [s.request.params for s in sched]
     temps = [0.0 if p.temperature < GREEDY_EPS else p.temperature for p in params]
     md = SamplingMetadata(temperature=up.tensor(temps, torch.float32), all_greedy=not any(temps))
@@ -34,6 +47,8 @@ def sampling_metadata(sched: list[ScheduledRequest], up: Uploader,
             md.min_p = up.tensor([p.min_p for p in params], torch.float32)
         for row, s in enumerate(sched):
             seed = s.request.params.seed
+            if seed is None and unseeded is not None:
+                seed = request_seed(unseeded, s.request.request_id)
             if seed is not None and temps[row] > 0.0:
                 gen = generators.get(s.request.request_id)
                 if gen is None:

@@ -97,6 +97,47 @@ def test_split_k_decode() -> None:
     run_both(reqs, 32, 8, 2, 80, torch.float16, sliding_window=70, min_split_len=64, seed=1)
 
 
+def _decode_rows(backend: TritonBackend, reqs: list[tuple[int, int]], pick: list[int],
+                 window: int | None) -> torch.Tensor:
+    """``backend``'s output rows for the decode requests ``pick`` of the batch ``reqs``, run
+    together, and each alone (the same q, K/V and blocks): [2, len(pick), Hq, D]."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(4)
+    meta, num_blocks = make_batch(reqs, 16, gen)
+    q, k, v = (torch.randn(meta.num_tokens, h, 32, generator=gen) for h in (8, 2, 2))
+    kc, vc = (torch.randn(num_blocks, 16, 2, 32, generator=gen) for _ in range(2))
+    together = backend.forward(q, k, v, kc, vc, meta, 0.2, window)
+    rows, alone = [meta.query_start_loc_cpu[i] for i in pick], []
+    for i, r in zip(pick, rows):
+        one = dataclasses.replace(
+            meta, slot_mapping=meta.slot_mapping[r : r + 1],
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+            seq_lens=meta.seq_lens[i : i + 1], block_tables=meta.block_tables[i : i + 1],
+            max_query_len=1, max_seq_len=meta.seq_lens_cpu[i], query_start_loc_cpu=[0, 1],
+            seq_lens_cpu=meta.seq_lens_cpu[i : i + 1])
+        alone.append(backend.forward(q[r : r + 1], k[r : r + 1], v[r : r + 1], kc, vc, one,
+                                     0.2, window)[0])
+    return torch.stack([together[rows], torch.stack(alone)])
+
+
+@pytest.mark.parametrize("window", [None, 150])
+def test_fixed_split_decode_is_batch_invariant(window: int | None) -> None:
+    """``decode_split_len``: a decode row has the same bits alone and beside 15 other rows of
+    other lengths (whose longest sets the grid), fp32. Splits chosen from the batch do not."""
+    reqs = [(c, 1) for c in (40, 299, 700, 5, 130, 64, 511, 1, 90, 300, 255, 17, 420, 63, 2, 33)]
+    pick = [1, 4, 9, 10, 15]  # 10 (256 keys): 4 splits of 64 alone, 2 of 128 in the batch
+    backend = TritonBackend()
+    backend.decode_min_split_len = 64
+    chosen = _decode_rows(backend, reqs, pick, window)
+    assert not torch.equal(chosen[0], chosen[1])  # the test can tell
+    backend.decode_split_len = 128
+    together, alone = _decode_rows(backend, reqs, pick, window)
+    assert torch.equal(together, alone)
+    compare_with_torch_ref(backend, reqs[:6], 16, 8, 2, 32, torch.float32, window, 1, DEVICE,
+                           TRITON_TOL)
+
+
 @pytest.mark.parametrize("window", [1, 8, 33])
 def test_sliding_window(window: int) -> None:
     reqs = [(0, 20), (17, 5), (25, 1), (2, 1), (90, 70)]
@@ -302,8 +343,10 @@ _COMPILE_BODY = textwrap.dedent(
                 GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=bs,
                 TILE_N=decode.decode_tile_n(d), BLOCK_D=bd, USE_WINDOW=split, SPLIT=split,
                 DOT_FP32=upcast, PRECISION=prec), arch)
-        compile_for(decode._merge_kernel, {"out_ptr": "*" + dt, "part_ptr": "*fp32",
-                    "lse_ptr": "*fp32"}, dict(SPLITS_PAD=16, BLOCK_D=bd), arch)
+        for in_order in (False, True):
+            compile_for(decode._merge_kernel, {"out_ptr": "*" + dt, "part_ptr": "*fp32",
+                        "lse_ptr": "*fp32"}, dict(SPLITS_PAD=16, BLOCK_D=bd, IN_ORDER=in_order),
+                        arch)
         bm, tn = prefill.prefill_tiles(d, group)
         compile_for(prefill._prefill_kernel, data, dict(
             GROUP=group, BLOCK_M=bm, BLOCK_Q=bm // group, BLOCK_SIZE=bs, TILE_N=tn, BLOCK_D=bd,

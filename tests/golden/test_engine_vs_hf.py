@@ -78,6 +78,23 @@ def test_greedy_matches_hf(tiny_models: dict[str, Path], arch: str, block_size: 
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_greedy_matches_hf_batch_invariant(tiny_models: dict[str, Path], arch: str) -> None:
+    """The same check with ``batch_invariant=True`` (tests/golden/test_batch_invariant.py)."""
+    prompts = _prompts()
+    ref = hf_greedy(tiny_models[arch], prompts)
+    llm = LLM(model=str(tiny_models[arch]), max_num_batched_tokens=256, batch_invariant=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, (ids, hf_lp) in zip(outs, ref, strict=True):
+        comp = out.outputs[0]
+        assert comp.token_ids == ids, f"prompt of {len(out.prompt_token_ids)} tokens diverged"
+        assert comp.logprobs is not None
+        for step, tok in enumerate(ids):
+            assert abs(comp.logprobs[step][tok].logprob - hf_lp[step, tok].item()) < 1e-4
+    llm.engine.check_integrity()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_matches_hf_under_preemption(tiny_models: dict[str, Path], arch: str) -> None:
     prompts = _prompts()

@@ -47,6 +47,11 @@ class TritonBackend(AttentionBackend):
     supports_cuda_graphs = True
     decode_target_programs: int = 256
     decode_min_split_len: int = 256
+    # Decode splits of this many keys whatever the batch, merged in split order (None: from
+    # the batch, as above). Batch-invariant decode; the engine's batch-invariant mode is CPU
+    # only (cuBLAS linears, and this prefill kernel's bits differ from the decode kernel's),
+    # so ``supports_batch_invariant`` stays False.
+    decode_split_len: int | None = None
 
     def __init__(self) -> None:
         if not common.INTERPRET and not torch.cuda.is_available():
@@ -91,6 +96,7 @@ class TritonBackend(AttentionBackend):
             sliding_window,
             target_programs=self.decode_target_programs,
             min_split_len=self.decode_min_split_len,
+            fixed_split_len=self.decode_split_len,
         )
         prefill_attention(
             q,

@@ -153,6 +153,7 @@ def _merge_kernel(
     head_dim,
     SPLITS_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    IN_ORDER: tl.constexpr = False,  # sum the splits one by one, in split order
 ):
     i = tl.program_id(0)
     head = tl.program_id(1)
@@ -164,12 +165,24 @@ def _merge_kernel(
     lse = tl.load(lse_ptr + base * num_splits + s, mask=s_mask, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always holds keys: max is finite
     d_mask = d < head_dim
-    part = tl.load(
-        part_ptr + (base * num_splits + s[:, None]) * BLOCK_D + d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # [SPLITS_PAD, BLOCK_D]
-    o = tl.sum(w[:, None] * part, axis=0) / tl.sum(w, axis=0)
+    if IN_ORDER:  # a split past the row's keys adds exact zeros: the sum ignores num_splits
+        top = tl.max(lse, axis=0)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        den = 0.0
+        for j in range(0, num_splits):
+            w_j = tl.exp2(tl.load(lse_ptr + base * num_splits + j) - top)
+            part_j = tl.load(part_ptr + (base * num_splits + j) * BLOCK_D + d, mask=d_mask,
+                             other=0.0)
+            acc += w_j * part_j
+            den += w_j
+        o = acc / den
+    else:
+        part = tl.load(
+            part_ptr + (base * num_splits + s[:, None]) * BLOCK_D + d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [SPLITS_PAD, BLOCK_D]
+        o = tl.sum(w[:, None] * part, axis=0) / tl.sum(w, axis=0)
     tl.store(
         out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + d,
         o.to(out_ptr.dtype.element_ty),
@@ -199,6 +212,13 @@ class DecodeSplits(NamedTuple):
         split_len = triton.cdiv(triton.cdiv(max_seq_len, splits), tile_n) * tile_n
         return cls(triton.cdiv(max_seq_len, split_len), split_len)
 
+    @classmethod
+    def fixed(cls, max_seq_len: int, split_len: int, tile_n: int) -> DecodeSplits:
+        """Splits of ``split_len`` keys (rounded up to tiles) whatever the batch: a row's
+        splits then depend on its own length alone (batch-invariant decode)."""
+        split_len = triton.cdiv(split_len, tile_n) * tile_n
+        return cls(max(1, triton.cdiv(max_seq_len, split_len)), split_len)
+
 
 def decode_tile_n(head_dim: int) -> int:
     return 64 if next_pow2(head_dim) <= 128 else 32
@@ -218,11 +238,14 @@ def decode_attention(
     sliding_window: int | None = None,
     target_programs: int = 256,
     min_split_len: int = 256,
+    fixed_split_len: int | None = None,
 ) -> None:
     """out[row] for the decode rows of requests ``reqs`` [R] int32 (query_len 1 each).
 
     q/out [T, Hq, D], caches [num_blocks, block_size, Hkv, D], metadata as in AttentionMetadata;
     ``max_seq_len`` bounds the decode requests' seq_lens (it sizes the split-K grid).
+    ``fixed_split_len``: splits of that many keys whatever the batch, always merged, the splits
+    summed in order (``DecodeSplits.fixed``): a row's bits do not depend on the other rows.
     """
     c = check_attention_call(q, k_cache, v_cache, out, reqs, block_tables)
     num_rows = reqs.shape[0]
@@ -233,11 +256,14 @@ def decode_attention(
     group = num_heads // num_kv_heads
     block_d = max(16, next_pow2(head_dim))
     tile_n = decode_tile_n(head_dim)
-    splits = DecodeSplits.choose(
-        num_rows, num_kv_heads, max_seq_len, tile_n, target_programs, min_split_len
-    )
+    if fixed_split_len is None:
+        splits = DecodeSplits.choose(
+            num_rows, num_kv_heads, max_seq_len, tile_n, target_programs, min_split_len
+        )
+    else:
+        splits = DecodeSplits.fixed(max_seq_len, fixed_split_len, tile_n)
     dot_fp32, precision = dot_config(q.dtype)
-    split = splits.num_splits > 1
+    split = splits.num_splits > 1 or fixed_split_len is not None
     if split:  # partial outputs and their log-sum-exps, merged below
         dst = torch.empty(
             num_rows, num_heads, splits.num_splits, block_d, dtype=torch.float32, device=q.device
@@ -296,4 +322,5 @@ def decode_attention(
         head_dim,
         SPLITS_PAD=next_pow2(splits.num_splits),
         BLOCK_D=block_d,
+        IN_ORDER=fixed_split_len is not None,
     )

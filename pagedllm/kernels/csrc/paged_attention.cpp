@@ -18,6 +18,15 @@
 // query rows) first, so a batch of ragged lengths or a late thread does not leave one idle.
 // Each item's arithmetic does not depend on who runs it: the output has the same bits at any
 // thread count.
+//
+// Nor, for one query row, on the rest of the batch: items split query tokens and heads, never a
+// row's positions; a row's sums run over its own positions in tile order, and the positions of
+// a tile it may not attend add exact zeros. So a row's bits depend on the tiles' grid alone.
+// Without a sliding window every item's tiles start at position 0: the same bits whether the
+// prompt ran in one chunk or many, beside any requests, or after a prefix-cache hit. With a
+// window an item's tiles start where its first token's window does, unless fixed_tiles puts
+// them on the grid of multiples of TILE (batch-invariant mode; up to TILE - 1 positions more
+// read per item).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -126,6 +135,7 @@ struct Problem {
   int64_t table_stride, block_size, group, d;
   float scale;
   std::optional<int64_t> window;
+  bool fixed_tiles;  // tiles start at multiples of TILE (batch-invariant mode)
   Kind q_kind, out_kind;
   bool q_bf16;  // scores take q as bf16, unscaled (dpbf16_scores)
   ScoresFn scores;
@@ -162,7 +172,11 @@ void attend(const Problem& pb, Scratch& s, const Item& it) {
   }
   std::fill(s.acc.begin(), s.acc.begin() + nq * d, 0.0f);
   const int32_t* table = pb.tables + it.r * pb.table_stride;
-  const int64_t lo = first_pos(pb, it.base + it.t0), hi = it.base + it.t1;
+  // Tiles start at the item's first position, or, with fixed_tiles, on the grid of multiples
+  // of TILE from position 0 (what an item's first token may attend then depends on the item:
+  // on the grid, a row's tiles, its softmax updates and its sums are the same in any item).
+  const int64_t first = first_pos(pb, it.base + it.t0), hi = it.base + it.t1;
+  const int64_t lo = pb.fixed_tiles ? first / TILE * TILE : first;
   for (int64_t p0 = lo; p0 < hi; p0 += TILE) {
     const int64_t n = std::min(TILE, hi - p0), n16 = (n + 15) / 16 * 16;
     for (int64_t i = 0, bi = p0 / pb.block_size, off = p0 % pb.block_size; i < n; ++i) {
@@ -224,7 +238,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                      const std::optional<at::Tensor>& k_scale, const at::Tensor& v_cache,
                      const std::optional<at::Tensor>& v_scale, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, at::Tensor out,
-                     double scale, std::optional<int64_t> sliding_window, int64_t max_query_len) {
+                     double scale, std::optional<int64_t> sliding_window, int64_t max_query_len,
+                     bool fixed_tiles) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, Hq, D], contiguous last dim");
@@ -251,7 +266,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const CacheView kv = view_of(k_cache, k_scale, "k"), vv = view_of(v_cache, v_scale, "v");
   const bool q_bf16 = q_kind == Kind::BF16 && dpbf16_scores(row_kind(kv.kind), d);
   Problem pb{q, out, kv, vv, block_tables.data_ptr<int32_t>(), block_tables.stride(0), block_size,
-             hq / hkv, d, static_cast<float>(scale), sliding_window, q_kind, q_kind, q_bf16,
+             hq / hkv, d, static_cast<float>(scale), sliding_window, fixed_tiles, q_kind, q_kind,
+             q_bf16,
              scores_fn(row_kind(kv.kind), d, q_bf16), values_fn(row_kind(vv.kind), d)};
 
   // Work items: (request, QCHUNK of its query tokens), all kv heads in one item (its K/V rows
@@ -303,6 +319,6 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor? k_scale, Tensor v_cache, Tensor? v_scale, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor(a!) out, float scale, "
-      "int? sliding_window, int max_query_len) -> ()",
+      "int? sliding_window, int max_query_len, bool fixed_tiles=False) -> ()",
       &pagedllm::paged_attention);
 }
