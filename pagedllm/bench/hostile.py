@@ -10,7 +10,8 @@ One round sends, at once:
 - every bad body of the soak's ``INVALID`` list.
 
 then waits until the server is idle (no request running or waiting) and ``settle_s`` more, and
-samples its RSS. A server that gives its freed memory back when idle (``_malloc.IdleRelease``)
+samples its RSS (the server's and its engine core's: both processes release on their own idle
+clock, and a busy machine delays them). A server that gives its freed memory back when idle (``_malloc.IdleRelease``)
 shows the same idle RSS after every round; one that keeps it shows a jump after the first round
 and a creep after each later one (issue 35: 438 MB to 1.09 GB, then +7 to +11 MB per round).
 """
@@ -87,7 +88,7 @@ async def _wait_idle(client: Any, timeout: float = 300) -> None:
 
 
 async def run_rounds(base: str, rounds: int, rss: Callable[[], float | None], invalid: list[bytes],
-                     settle_s: float = IDLE_RELEASE_S + 2.0) -> list[dict[str, Any]]:
+                     settle_s: float = IDLE_RELEASE_S + 4.0) -> list[dict[str, Any]]:
     """``rounds`` hostile rounds; per round its statuses, seconds, peak RSS while it ran and RSS
     once idle (MiB)."""
     import httpx

@@ -144,3 +144,34 @@ def test_core_process_matches_in_process_then_dies_loudly(chat_model: Path,
     with caplog.at_level("ERROR", logger="pagedllm"):
         asyncio.run(main())
     assert any("SIGKILL" in r.getMessage() for r in caplog.records), "the log must name the cause"
+
+
+def test_the_server_side_releases_memory_once_per_idle_spell(chat_model: Path) -> None:
+    """The server process tokenizes and holds request bodies, so it gives what a burst freed
+    back once idle, as the core does (``MPClient.idle_release``): none at start-up, none while a
+    request runs or a /tokenize-style job keeps coming, one after each idle spell."""
+    from pagedllm._malloc import IdleRelease
+
+    args = EngineArgs.from_kwargs(dict(model=str(chat_model), **SETTINGS), "test")
+
+    async def main() -> tuple[list[int], int]:
+        client = MPClient(args)
+        await client.start()
+        try:
+            released: list[int] = []  # requests finished at each release
+            done = [0]
+            client.idle_release = IdleRelease(after_s=0.4, release=lambda: released.append(done[0]))
+            await asyncio.sleep(1.0)  # idle since start-up: nothing to give back
+            for i in range(2):
+                await _collect(client, f"r{i}", PROMPTS[i], _greedy(16))
+                done[0] += 1
+                for _ in range(4):  # tokenizer work alone keeps the front end busy
+                    await client.run_on_tokenizer_thread(lambda fe: fe.tokenizer.encode("x"))
+                    await asyncio.sleep(0.15)
+                await asyncio.sleep(1.6)  # four times the delay: still one release
+            return released, done[0]
+        finally:
+            await client.shutdown()
+
+    released, done = asyncio.run(main())
+    assert released == [1, 2], (released, done)
