@@ -39,8 +39,7 @@ from typing import Any
 
 from pagedllm.bench.hostile import run_rounds, summarize_rounds
 from pagedllm.bench.report import machine_info, percentiles, write_json
-from pagedllm.bench.server_process import serve_subprocess
-from pagedllm.bench.vllm_worker import proc_stats, process_tree
+from pagedllm.bench.server_process import rss_mib, serve_subprocess
 
 TARGETS = {"valid_5xx": 0, "leaked_blocks": 0, "rss_growth_pct": 10.0, "p99_drift_pct": 20.0,
            "hostile_rss_over_before_pct": 15.0, "hostile_rss_creep_mib_per_round": 5.0}
@@ -78,21 +77,6 @@ class SoakResult:
     outcomes: list[Outcome] = field(default_factory=list)
     rss: list[tuple[float, float]] = field(default_factory=list)  # (seconds, MiB)
     load: list[tuple[float, float]] = field(default_factory=list)  # (seconds, 1-min load average)
-
-
-def rss_mib(pid: int) -> float | None:
-    """Resident memory of a process and its live descendants (``pagedllm serve`` runs its
-    engine core in a child), summed (Linux /proc); None elsewhere. Pages both map (shared
-    libraries) count twice: an upper bound, steady from one sample to the next."""
-    total = None
-    for p in process_tree(pid, proc_stats()):
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total = (total or 0.0) + int(line.split()[1]) / 1024
-        except OSError:  # exited meanwhile, or no /proc
-            continue
-    return total
 
 
 def make_request(rng: random.Random, disconnect_fraction: float,
