@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.config_hf import qwen2_full_layers, rope_from_hf
+from pagedllm.lora.request import LoRAConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -288,6 +289,7 @@ class SchedulerConfig:
     reserved_fraction: float = 0.1
     urgent_priority: int = 0
     preemption_mode: str = "recompute"  # "recompute" | "swap" | "auto"
+    max_loras: int | None = None  # most distinct LoRA adapters in one step (None: LoRA off)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.reserved_fraction < 1.0:
@@ -362,6 +364,7 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None  # pagedllm/spec_decode (None: off)
+    lora: LoRAConfig | None = None  # pagedllm/lora (None: off, a LoRARequest is refused)
 
     def __post_init__(self) -> None:
         dev = self.device

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -70,6 +71,7 @@ class Request:
     # speculative decoding: tokens proposed to follow ``token_ids``, verified by the next step
     # (pagedllm/spec_decode); never part of ``token_ids`` until accepted
     spec_token_ids: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
