@@ -55,7 +55,7 @@ def _requests(adapters: dict[str, Path]) -> list[LoRARequest | None]:
 
 def _expected(base: Path, loras: list[LoRARequest | None], prompts: list[list[int]]) -> list[list[int]]:
     want = []
-    for i, p in enumerate(prompts):
+    for i in range(len(prompts)):
         lr = loras[i % len(loras)]
         ref = hf_peft_greedy(base, None if lr is None else Path(lr.lora_path), prompts)
         want.append(ref[i])
@@ -127,3 +127,54 @@ def test_prefix_cache_never_crosses_adapters(lora_base: Path, adapters: dict[str
     assert list(other[0].outputs[0].token_ids) == want["b"]
     assert list(base[0].outputs[0].token_ids) == want["base"]
     kv.check_integrity()
+
+
+def test_bad_adapters_fail_alone(lora_base: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
+    """Each bad adapter: a ValueError naming it and the reason, at generate; no block lost, the
+    engine keeps serving (a good adapter afterwards gives HF + PEFT's tokens)."""
+    from tests.lora.conftest import edited_copy
+
+    good = adapters["attn_r4"]
+    key_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    bad = {
+        "missing file": (tmp_path / "nothing", "missing file adapter_config.json"),
+        "rank": (edited_copy(good, tmp_path / "rank", {"r": 32}), "rank r=32 is over max_lora_rank=16"),
+        "dora": (edited_copy(good, tmp_path / "dora", {"use_dora": True}), "DoRA"),
+        "shape": (edited_copy(good, tmp_path / "shape", tensors={key_a: torch.zeros(4, 65)}),
+                  "do not fit the base model"),
+        "embedding": (edited_copy(good, tmp_path / "emb", tensors={
+            "base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 512)}),
+            "embedding target"),
+        "lm_head": (edited_copy(good, tmp_path / "head", tensors={
+            "base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64),
+            "base_model.model.lm_head.lora_B.weight": torch.zeros(512, 4)}),
+            "'lm_head' .* is not supported"),
+        "half": (edited_copy(good, tmp_path / "half", tensors={key_a: None}), "without its pair"),
+    }
+    llm = LLM(str(lora_base), enable_lora=True, max_loras=2, max_lora_rank=16,
+              num_kv_blocks=64, block_size=16, max_model_len=128, dtype="float32")
+    kv = llm.engine.kv
+    free = kv.num_free_blocks
+    prompt = {"prompt_token_ids": list(range(10, 30))}
+    for i, (name, (path, why)) in enumerate(bad.items()):
+        lr = LoRARequest(f"bad-{name}", 10 + i, str(path))
+        with pytest.raises(ValueError, match=f"bad-{name}.*{why}"):
+            llm.generate([prompt, prompt], GREEDY, use_tqdm=False, lora_request=[None, lr])
+        assert kv.num_free_blocks == free and not llm.engine.scheduler.requests
+    ok = LoRARequest("good", 1, str(good))
+    with pytest.raises(ValueError, match="already adapter 'good'"):  # one id, two adapters
+        llm.generate([prompt, prompt], GREEDY, use_tqdm=False,
+                     lora_request=[ok, LoRARequest("x", 1, "/y")])
+    assert kv.num_free_blocks == free and not llm.engine.scheduler.requests
+    out = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=ok)
+    assert list(out[0].outputs[0].token_ids) == hf_peft_greedy(lora_base, good, [prompt["prompt_token_ids"]])[0]
+    kv.check_integrity()
+
+
+def test_lora_request_needs_enable_lora(lora_base: Path, adapters: dict[str, Path]) -> None:
+    llm = LLM(str(lora_base), num_kv_blocks=32, max_model_len=128)
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        llm.generate("t5 t6", GREEDY, use_tqdm=False,
+                     lora_request=LoRARequest("a", 1, str(adapters["attn_r4"])))
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(str(lora_base), enable_lora=True, tensor_parallel_size=2)
