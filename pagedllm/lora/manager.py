@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedllm.lora.adapter import SUPPORTED, LoRAError, LoRAWeights, load_adapter
-from pagedllm.lora.ops import GATHER_MAX_TOKENS, LoRAMapping, LoRAStack
+from pagedllm.lora.ops import DENSE_MAX_TOKENS, LoRAMapping, LoRAStack
 from pagedllm.lora.request import LoRAConfig, LoRARequest
 from pagedllm.models.base import CausalLM
 
@@ -36,7 +36,8 @@ class LoRAManager:
                 a = torch.zeros(s + 1, len(sizes) * r, m.in_features, dtype=dtype, device=device)
                 b = [torch.zeros(s + 1, o, r, dtype=dtype, device=device) for o in sizes]
                 offsets = [sum(sizes[:j]) for j in range(len(sizes))]
-                self.stacks[m] = LoRAStack(a, b, offsets, r)
+                b_flat = [torch.zeros(s * r, o, dtype=dtype, device=device) for o in sizes]
+                self.stacks[m] = LoRAStack(a, b, offsets, r, b_flat)
                 self.modules[name] = m
         self.known: dict[int, LoRARequest] = {}
         self.cpu: OrderedDict[int, LoRAWeights] = OrderedDict()  # LRU, most recent last
@@ -85,8 +86,13 @@ class LoRAManager:
         token_slots = torch.repeat_interleave(torch.tensor(per_req), torch.tensor(list(q_lens)))
         groups = [(s, (token_slots == s).nonzero().flatten().to(self.device), self.slot_targets[s])
                   for s in slot_of.values()]
-        method = self.method or ("gather" if len(token_slots) <= GATHER_MAX_TOKENS else "loop")
-        return LoRAMapping(token_slots.to(self.device), groups, self.stacks, method)
+        method = self.method or ("dense" if len(token_slots) <= DENSE_MAX_TOKENS else "loop")
+        onehot = None
+        if method == "dense":
+            dtype = next(iter(self.stacks.values())).a.dtype
+            onehot = torch.nn.functional.one_hot(token_slots, self.base_slot + 1)[:, :-1].to(dtype)
+            onehot = onehot.unsqueeze(-1).to(self.device)  # [T, S, 1]: base tokens all zero
+        return LoRAMapping(token_slots.to(self.device), groups, self.stacks, method, onehot)
 
     def _slot(self, req: LoRARequest, in_step: list[int]) -> int:
         """``req``'s slot, loading it there (into a free slot or the least recently used one that
@@ -107,15 +113,18 @@ class LoRAManager:
         return slot
 
     def _load(self, slot: int, w: LoRAWeights) -> None:
+        r = self.config.max_lora_rank
         for stack in self.stacks.values():
             stack.a[slot].zero_()
             for b in stack.b:
                 b[slot].zero_()
-        r = self.config.max_lora_rank
+            for bf in stack.b_flat:
+                bf[slot * r:(slot + 1) * r].zero_()
         for (name, shard), (a, b) in w.targets.items():
             stack = self.stacks[self.modules[name]]
             stack.a[slot, shard * r:shard * r + w.rank].copy_(a)
             stack.b[shard][slot, :, :w.rank].copy_(b)
+            stack.b_flat[shard][slot * r:slot * r + w.rank].copy_(b.t())
         self.slot_targets[slot] = frozenset(self.modules[name] for name, _ in w.targets)
         self.num_slot_loads += 1
 

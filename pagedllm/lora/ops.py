@@ -6,8 +6,13 @@ Per linear the adapter slots are stacked (lora/manager.py)::
     A  [S+1, n*R, in]        n = shards of a fused linear (qkv: 3, gate_up: 2, else 1), R = max rank
     B  n x [S+1, out_j, R]   scaling folded in; slot S stays zero (the base model)
 
-Two ways to run it, same arithmetic (``LoRAMapping.method``):
+Three ways to run it, same arithmetic (``LoRAMapping.method``):
 
+- ``"dense"``: every adapter slot at once, masked: ``h = x @ A_flat.T`` [T, S*n*R], zero each
+  token's parts of other slots (a one-hot mask made once per step; the base's tokens: all), then
+  per shard one GEMM with ``B_flat_j`` [S*R, out_j]: 2 + 2n ops per linear whatever the number
+  of adapters, reading every slot's weights once. The fastest on small (decode) steps, where
+  per-op overhead and weight reads, not multiply-adds, are the cost (measured: README).
 - ``"loop"`` (SGMV-like): for each adapter present in the step (<= max_loras), the rows of its
   tokens: ``h = x[rows] @ A[s].T``, ``y[rows, cols_j] += h[:, jR:(j+1)R] @ B_j[s].T``. Two small
   GEMMs per adapter and shard; no gathered weights. Used for steps with prefill chunks.
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-GATHER_MAX_TOKENS = 32  # steps with at most this many tokens use "gather" (measured: README)
+DENSE_MAX_TOKENS = 64  # steps with at most this many tokens use "dense" (measured: README)
 
 
 @dataclass
@@ -34,6 +39,7 @@ class LoRAStack:
     b: list[torch.Tensor]  # n x [S+1, out_j, R]
     offsets: list[int]  # first output column of each shard
     rank: int  # R
+    b_flat: list[torch.Tensor]  # n x [S*R, out_j]: row (s, k) = B_j[s, :, k] (slots < S)
 
 
 @dataclass
@@ -46,13 +52,23 @@ class LoRAMapping:
     token_slots: torch.Tensor
     groups: list[tuple[int, torch.Tensor, frozenset[nn.Module]]]
     stacks: dict[nn.Module, LoRAStack]
-    method: str  # "loop" | "gather"
+    method: str  # "dense" | "loop" | "gather"
+    onehot: torch.Tensor | None = None  # [T, S, 1] in the model's dtype ("dense")
 
     def apply(self, linear: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (``linear``'s output [T, out] for input ``x`` [T, in]) plus the adapters'
         deltas, in place."""
         stack = self.stacks.get(linear)
         if stack is None:
+            return y
+        if self.method == "dense":
+            assert self.onehot is not None
+            s, r = self.onehot.shape[1], stack.rank
+            a = stack.a[:s].flatten(0, 1)  # [S*nR, in]: the zero base slot left out
+            h = (x @ a.t()).view(x.shape[0], s, -1) * self.onehot  # [T, S, nR]
+            for j, (bf, off) in enumerate(zip(stack.b_flat, stack.offsets)):
+                hj = h[:, :, j * r:(j + 1) * r].reshape(x.shape[0], s * r)  # [T, S*R]
+                y[:, off:off + bf.shape[1]].addmm_(hj, bf)
             return y
         if self.method == "gather":
             return _gather(stack, self.token_slots, x, y)

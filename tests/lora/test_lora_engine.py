@@ -16,7 +16,7 @@ from pagedllm.lora import lora_extra_keys
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
-_HF: dict[tuple[str, str | None], list[list[int]]] = {}
+_HF: dict[tuple[str, str | None, tuple[tuple[int, ...], ...]], list[list[int]]] = {}
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -26,7 +26,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def hf_peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]]) -> list[list[int]]:
     """HF transformers (+ PEFT with ``adapter``), one prompt at a time, fp32 greedy."""
-    key = (str(base), None if adapter is None else str(adapter))
+    key = (str(base), None if adapter is None else str(adapter), tuple(map(tuple, prompts)))
     if key not in _HF:
         from transformers import AutoModelForCausalLM
 
@@ -54,11 +54,13 @@ def _requests(adapters: dict[str, Path]) -> list[LoRARequest | None]:
 
 
 def _expected(base: Path, loras: list[LoRARequest | None], prompts: list[list[int]]) -> list[list[int]]:
-    want = []
-    for i in range(len(prompts)):
-        lr = loras[i % len(loras)]
-        ref = hf_peft_greedy(base, None if lr is None else Path(lr.lora_path), prompts)
-        want.append(ref[i])
+    """HF + PEFT's tokens for prompt i run by ``loras[i % len(loras)]``."""
+    want: list[list[int]] = [[] for _ in prompts]
+    for k, lr in enumerate(loras):
+        idx = list(range(k, len(prompts), len(loras)))
+        ref = hf_peft_greedy(base, None if lr is None else Path(lr.lora_path), [prompts[i] for i in idx])
+        for i, toks in zip(idx, ref):
+            want[i] = toks
     return want
 
 
@@ -66,7 +68,7 @@ def test_mixed_batch_matches_hf_peft(lora_base: Path, adapters: dict[str, Path])
     loras = _requests(adapters)
     prompts = _prompts(10)
     want = _expected(lora_base, loras, prompts)
-    base = hf_peft_greedy(lora_base, None, prompts)
+    base = _expected(lora_base, [None], prompts)
     # every adapter changes some tokens: a delta left out (or applied to the base) would show
     for k, lr in enumerate(loras[:-1]):
         assert any(want[i] != base[i] for i in range(k, len(prompts), len(loras))), lr

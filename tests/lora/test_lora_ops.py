@@ -19,7 +19,7 @@ def _reference(stack: LoRAStack, slots: list[int], x: torch.Tensor) -> torch.Ten
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("method", ["loop", "gather"])
+@pytest.mark.parametrize("method", ["dense", "loop", "gather"])
 def test_delta_matches_per_token_reference(method: str) -> None:
     torch.manual_seed(0)
     s, r, d, sizes = 3, 4, 16, [8, 4, 4]  # 3 slots + the zero base slot, a qkv-like linear
@@ -28,17 +28,20 @@ def test_delta_matches_per_token_reference(method: str) -> None:
     a[s].zero_()
     for bj in b:
         bj[s].zero_()
-    stack = LoRAStack(a, b, [0, 8, 12], r)
+    b_flat = [bj[:s].transpose(1, 2).reshape(s * r, -1).contiguous() for bj in b]  # as the manager
+    stack = LoRAStack(a, b, [0, 8, 12], r, b_flat)
     linear = nn.Linear(d, sum(sizes))
     slots = [2, 2, 0, 3, 0, 2, 1, 3, 3]  # base (3) and adapters interleaved
     x = torch.randn(len(slots), d)
     y = torch.randn(len(slots), sum(sizes))
     ts = torch.tensor(slots)
     groups = [(k, (ts == k).nonzero().flatten(), frozenset({linear})) for k in (0, 1, 2)]
-    got = LoRAMapping(ts, groups, {linear: stack}, method).apply(linear, x, y.clone())
+    onehot = torch.nn.functional.one_hot(ts, s + 1)[:, :-1].float().unsqueeze(-1)
+    mapping = LoRAMapping(ts, groups, {linear: stack}, method, onehot)
+    got = mapping.apply(linear, x, y.clone())
     torch.testing.assert_close(got, y + _reference(stack, slots, x))
     other = nn.Linear(d, sum(sizes))  # a linear no adapter targets: unchanged
-    assert torch.equal(LoRAMapping(ts, groups, {linear: stack}, method).apply(other, x, y.clone()), y)
+    assert torch.equal(mapping.apply(other, x, y.clone()), y)
 
 
 def test_scheduler_runs_at_most_max_loras_per_step_fcfs() -> None:
