@@ -64,6 +64,19 @@ def _expected(base: Path, loras: list[LoRARequest | None], prompts: list[list[in
     return want
 
 
+def run_mixed(base: Path, loras: list[LoRARequest | None], prompts: list[list[int]],
+              **kwargs: object) -> LLM:
+    """The prompts (prompt i with ``loras[i % len(loras)]``) in one generate call on an engine
+    built with ``kwargs``: asserts HF + PEFT's tokens; returns the engine."""
+    llm = LLM(str(base), enable_lora=True, max_lora_rank=16, num_kv_blocks=128, block_size=16,
+              dtype="float32", **kwargs)
+    per_prompt = [loras[i % len(loras)] for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                        lora_request=per_prompt)
+    assert [list(o.outputs[0].token_ids) for o in outs] == _expected(base, loras, prompts)
+    return llm
+
+
 def test_mixed_batch_matches_hf_peft(lora_base: Path, adapters: dict[str, Path]) -> None:
     loras = _requests(adapters)
     prompts = _prompts(10)
@@ -72,12 +85,7 @@ def test_mixed_batch_matches_hf_peft(lora_base: Path, adapters: dict[str, Path])
     # every adapter changes some tokens: a delta left out (or applied to the base) would show
     for k, lr in enumerate(loras[:-1]):
         assert any(want[i] != base[i] for i in range(k, len(prompts), len(loras))), lr
-    llm = LLM(str(lora_base), enable_lora=True, max_loras=4, max_lora_rank=16, max_cpu_loras=4,
-              num_kv_blocks=128, block_size=16, dtype="float32")
-    per_prompt = [loras[i % len(loras)] for i in range(len(prompts))]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
-                        lora_request=per_prompt)
-    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    llm = run_mixed(lora_base, loras, prompts, max_loras=4, max_cpu_loras=4)
     # chat takes lora_request too (same path): the rendered prompt with one adapter
     msgs = [{"role": "user", "content": "t5 t6 t7"}]
     tpl = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -91,15 +99,7 @@ def test_mixed_batch_matches_hf_peft(lora_base: Path, adapters: dict[str, Path])
 def test_max_loras_one_many_adapters_correct(lora_base: Path, adapters: dict[str, Path]) -> None:
     """Four adapters and the base through one slot (and a 2-adapter host cache): every request
     finishes with HF + PEFT's tokens; the slot was reloaded as the adapters took turns."""
-    loras = _requests(adapters)
-    prompts = _prompts(10)
-    want = _expected(lora_base, loras, prompts)
-    llm = LLM(str(lora_base), enable_lora=True, max_loras=1, max_lora_rank=16, max_cpu_loras=2,
-              num_kv_blocks=128, block_size=16, dtype="float32")
-    per_prompt = [loras[i % len(loras)] for i in range(len(prompts))]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
-                        lora_request=per_prompt)
-    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    llm = run_mixed(lora_base, _requests(adapters), _prompts(10), max_loras=1, max_cpu_loras=2)
     runner = llm.engine.executor.driver
     assert runner.lora is not None and runner.lora.num_slot_loads >= 4
     assert len(runner.lora.cpu) <= 2
