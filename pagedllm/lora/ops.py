@@ -18,7 +18,8 @@ Three ways to run it, same arithmetic (``LoRAMapping.method``):
   GEMMs per adapter and shard; no gathered weights. Used for steps with prefill chunks.
 - ``"gather"`` (BGMV-like): gather every token's A and B by index and run batched mat-vecs
   (``torch.bmm``): one op per shard whatever the number of adapters; the gathered weights are
-  [T, n*R, in] + [T, out, R], so it is for small (decode) steps only.
+  [T, n*R, in] + [T, out, R]. Never picked by default (slower than "dense" on decode steps on
+  CPU: README); kept as a tested reference and a ``method`` to measure.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-DENSE_MAX_TOKENS = 64  # steps with at most this many tokens use "dense" (measured: README)
+# steps with at most this many tokens use "dense", larger ones "loop": dense was faster on
+# 8-token decode steps and slower on 256-token prefills (scripts/lora_throughput.py); the cut
+# between them is a guess, not measured
+DENSE_MAX_TOKENS = 64
 
 
 @dataclass
