@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pagedllm.lora.request import LoRARequest
+from pagedllm.lora.request import LoRARequest, lora_extra_keys
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -79,6 +79,11 @@ class Request:
             self.logprobs = []
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first prompt token has no logprob
+
+    @property
+    def prefix_keys(self) -> tuple | None:
+        """The extra key of this request's prefix-cache blocks (its adapter's id)."""
+        return lora_extra_keys(self.lora_request)
 
     @property
     def num_prompt_tokens(self) -> int:

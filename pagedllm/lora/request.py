@@ -49,3 +49,21 @@ def lora_extra_keys(lora: LoRARequest | None) -> tuple | None:
     """The prefix-cache extra key of a request's blocks: its adapter id (None: the base), so no
     block is shared across adapters."""
     return None if lora is None else (("lora", lora.lora_int_id),)
+
+
+class LoRAPlaces:
+    """The adapters of one step being scheduled: at most ``limit`` distinct ones (None: no
+    limit, LoRA off). The scheduler asks in ``sort_key`` order, so a request that waits for a
+    place is served before any younger one."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit, self.ids = limit, set[int]()
+
+    def admits(self, lora: LoRARequest | None) -> bool:
+        """Whether a request with ``lora`` may run in this step (taking a place if one is left)."""
+        if lora is None or self.limit is None or lora.lora_int_id in self.ids:
+            return True
+        if len(self.ids) >= self.limit:
+            return False
+        self.ids.add(lora.lora_int_id)
+        return True

@@ -36,7 +36,7 @@ import logging
 from pagedllm.config import SchedulerConfig
 from pagedllm.kv.manager import KVCacheManager, PrefixHit
 from pagedllm.kv.window import min_blocks_to_serve
-from pagedllm.lora.request import lora_extra_keys
+from pagedllm.lora.request import LoRAPlaces
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sched.memory import KVMemoryPolicy
 from pagedllm.sched.output import ScheduledRequest, SchedulerOutput
@@ -185,8 +185,7 @@ class Scheduler:
         return lo if lo and self._try_allocate(req, computed + lo, prefix) else 0
 
     def _wanted(self, req: Request) -> int:
-        """Tokens ``req`` would compute now: all that are left, except that a parent with pending
-        forks stops one short of its prompt's end (the fork point)."""
+        """Tokens ``req`` would compute now: all left; a parent with pending forks stops at them."""
         if req.request_id in self._forks:
             return req.num_prompt_tokens - 1 - req.num_computed_tokens
         return req.num_tokens - req.num_computed_tokens
@@ -202,12 +201,11 @@ class Scheduler:
         out = SchedulerOutput()
         self.memory.grow(out, self.requests.values(), len(self.running))
         budget = self.config.max_num_batched_tokens
-        loras: set[int] = set()  # adapters in this step, at most max_loras (oldest requests first)
-        i = 0
+        i, loras = 0, LoRAPlaces(self.config.max_loras)  # this step's adapters (lora/request.py)
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(self._wanted(req), budget)
-            if n <= 0 or not self._lora_admits(req, loras):
+            if n <= 0 or not loras.admits(req.lora_request):
                 i += 1
                 continue
             spec = proposals_to_verify(req, n, budget, len(self.running) - 1 - i, self.kv,
@@ -235,25 +233,12 @@ class Scheduler:
                 return 0
         return got
 
-    def _lora_admits(self, req: Request, loras: set[int]) -> bool:
-        """Whether ``req``'s adapter may run in this step (taking a place among ``loras`` if
-        one is left): at most ``max_loras`` distinct adapters per step. The places go in
-        ``sort_key`` order, so a request that waits for one is served before any younger one."""
-        lr, limit = req.lora_request, self.config.max_loras
-        if lr is None or limit is None or lr.lora_int_id in loras:
-            return True
-        if len(loras) >= limit:
-            return False
-        loras.add(lr.lora_int_id)
-        return True
-
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, loras: set[int]) -> None:
-        chunked = self.config.enable_chunked_prefill
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, loras: LoRAPlaces) -> None:
         while (self.waiting or self.swapped) and budget > 0:
             from_host = bool(self.swapped) and (
                 not self.waiting or self.swapped[0].sort_key < self.waiting[0][0])
             req = self.swapped[0] if from_host else self.waiting[0][1]
-            if not self._lora_admits(req, loras):
+            if not loras.admits(req.lora_request):
                 break  # first come, first served: nothing younger jumps the queue
             seats = 1 + len(self._forks.get(req.request_id, ()))
             if self.running and self._seats_taken() + seats > self.config.max_num_seqs:
@@ -274,13 +259,12 @@ class Scheduler:
             prefix = None
             computed = 0
             if req.params.prompt_logprobs is None and self.kv.enable_prefix_caching:
-                prefix = self.kv.find_prefix(req.token_ids, lora_extra_keys(req.lora_request),
-                                             record_stats=False)
+                prefix = self.kv.find_prefix(req.token_ids, req.prefix_keys, record_stats=False)
                 computed = prefix.num_tokens
             n = self._wanted(req) - computed  # waiting requests have computed nothing
             if n == 0:  # a parent whose hit covers the fork point: fork now, then run 1 token
                 n = 1
-            if n > budget and not chunked:
+            if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = self._allocate_chunk(req, computed, min(n, budget), prefix)
             if not n:
@@ -407,8 +391,7 @@ class Scheduler:
                 continue
             req.num_computed_tokens += s.num_new_tokens
             status = keep_accepted(s, sampled.get(req.request_id), accepted, self.kv)
-            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens,
-                                 lora_extra_keys(req.lora_request))
+            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens, req.prefix_keys)
             self.kv.free_outside_window(req.request_id, req.num_computed_tokens)
             self._fork_if_due(req)
             if status is not None:
