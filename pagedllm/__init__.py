@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm import _hugepages, _openmp  # noqa: F401 - before torch loads (see those modules)
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "LoRARequest", "__version__"]
 
 _LAZY = {
     "LLM": "pagedllm.entrypoints.llm",
@@ -22,12 +22,14 @@ _LAZY = {
     "RequestOutputKind": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
+    "LoRARequest": "pagedllm.lora.request",
 }
 
 if TYPE_CHECKING:
     from pagedllm.args import EngineArgs
     from pagedllm.engine.core import LLMEngine
     from pagedllm.entrypoints.llm import LLM
+    from pagedllm.lora.request import LoRARequest
     from pagedllm.outputs import CompletionOutput, RequestOutput
     from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 

@@ -27,12 +27,14 @@ from pagedllm.config import (
 )
 from pagedllm.flags import add_flags, check_names, from_namespace, setting
 from pagedllm.hub import resolve_model
+from pagedllm.lora.request import LoRAConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 
-ENGINE, MEMORY = "engine", "memory"
-GROUP_TITLES = {ENGINE: "engine (names follow vLLM)", MEMORY: "KV memory management"}
+ENGINE, MEMORY, LORA = "engine", "memory", "lora"
+GROUP_TITLES = {ENGINE: "engine (names follow vLLM)", MEMORY: "KV memory management",
+                LORA: "LoRA adapters (names follow vLLM)"}
 _KV_DTYPES = "auto (model dtype) | int8 | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2"
-_C, _S, _P, _E = CacheConfig, SchedulerConfig, ParallelConfig, EngineConfig
+_C, _S, _P, _E, _L = CacheConfig, SchedulerConfig, ParallelConfig, EngineConfig, LoRAConfig
 
 
 @dataclass
@@ -129,6 +131,15 @@ class EngineArgs:
         None, "speculative decoding, JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1} or {\"model\": DRAFT_DIR, "
         "\"num_speculative_tokens\": 4} (default: off)", metavar="JSON")
+    enable_lora: bool = setting(
+        False, "serve LoRA adapters: generate(..., lora_request=LoRARequest(...))", group=LORA)
+    max_loras: int = setting(_L.max_loras, "most distinct LoRA adapters in one step (device slots)",
+                             group=LORA)
+    max_lora_rank: int = setting(_L.max_lora_rank, "largest LoRA rank an adapter may have",
+                                 group=LORA)
+    max_cpu_loras: int | None = setting(
+        _L.max_cpu_loras, "LoRA adapters kept loaded on the host, LRU (default: --max-loras)",
+        group=LORA)
     preheat_prompts: Sequence[Any] | str | None = setting(
         None, "file of prompts (one per line, text or a JSON list of ids) to cache at start-up",
         group=MEMORY, metavar="FILE")
@@ -184,6 +195,7 @@ class EngineArgs:
             budget = (max(floor, self.max_num_seqs) if self.enable_chunked_prefill
                       else max(max_model_len, floor))
         memory = self.kv_cache_memory
+        lora = self._lora_config()
         return EngineConfig(
             model=mcfg,
             cache=CacheConfig(
@@ -211,6 +223,7 @@ class EngineArgs:
                 reserved_fraction=self.reserved_fraction,
                 urgent_priority=self.urgent_priority,
                 preemption_mode=self.preemption_mode,
+                max_loras=None if lora is None else lora.max_loras,
             ),
             tokenizer=resolve_model(self.tokenizer, "tokenizer") if self.tokenizer else model,
             seed=self.seed,
@@ -225,7 +238,19 @@ class EngineArgs:
             generation_config=self.generation_config,
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
             speculative=SpeculativeConfig.parse(self.speculative_config),
+            lora=lora,
         )
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet; "
+                             "drop --enable-lora or use -tp 1")
+        if self.speculative_config is not None:
+            raise ValueError("enable_lora with speculative decoding is not supported yet; drop "
+                             "--enable-lora or --speculative-config")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _kv_dtype(self, flag: str, override: str | None) -> str:
         """``kv_cache_dtype`` sets K and V storage; ``k_cache_dtype`` / ``v_cache_dtype``

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.config_hf import qwen2_full_layers, rope_from_hf
+from pagedllm.lora.request import LoRAConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -289,6 +290,7 @@ class SchedulerConfig:
     reserved_fraction: float = 0.1
     urgent_priority: int = 0
     preemption_mode: str = "recompute"  # "recompute" | "swap" | "auto"
+    max_loras: int | None = None  # most distinct LoRA adapters in one step (None: LoRA off)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.reserved_fraction < 1.0:
@@ -351,19 +353,16 @@ class EngineConfig:
     # pagedllm's GEMM alone (float32, and bfloat16 on CPUs with AVX512-BF16; F.linear where it
     # does not run), "onednn" on oneDNN alone, "torch" always on F.linear.
     linear_backend: str = "auto"
-    # CPU: RMSNorm (+ residual add), rotary and SiLU-and-mul as fused C++ ops where the kernels
-    # are built (pagedllm/kernels); False runs the torch ops.
-    fused_ops: bool = True
+    fused_ops: bool = True  # CPU: RMSNorm(+add), rotary, SiLU-and-mul as C++ ops; False: torch's
     # CPU, with fused_ops: each decoder layer as two C++ ops around its attention
-    # (models/llama.py, kernels/csrc/decoder_layer.cpp); False runs its modules one by one.
-    fused_layers: bool = True
+    fused_layers: bool = True  # (kernels/csrc/decoder_layer.cpp); False: its modules one by one
     # default sampling settings: "auto" (the model's generation_config.json), "vllm" (none), or a
-    # directory holding the file (pagedllm/generation_config.py)
-    generation_config: str = "auto"
+    generation_config: str = "auto"  # directory holding the file (pagedllm/generation_config.py)
     extra: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None  # pagedllm/spec_decode (None: off)
     batch_invariant: bool = False  # a request's bits whatever the batch (README); CPU only
+    lora: LoRAConfig | None = None  # pagedllm/lora (None: off, a LoRARequest is refused)
 
     def __post_init__(self) -> None:
         self._check_batch_invariant()
@@ -385,7 +384,8 @@ class EngineConfig:
             (self.linear_backend not in ("auto", "gemm"), "use --linear-backend auto"),
             (not self.fused_ops, "torch's RMSNorm may split a row; drop --no-fused-ops"),
             (self.parallel.tensor_parallel_size > 1, "the all-reduce's order varies; use -tp 1"),
-            (self.speculative is not None, "not covered; drop --speculative-config")]:
+            (self.speculative is not None, "not covered; drop --speculative-config"),
+            (self.lora is not None, "LoRA deltas run on torch's matmuls; drop --enable-lora")]:
             if bad and self.batch_invariant:
                 raise ValueError(f"--batch-invariant: {why}, or drop --batch-invariant")
 

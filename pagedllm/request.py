@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.lora.request import LoRARequest, lora_extra_keys
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -71,6 +72,7 @@ class Request:
     # speculative decoding: tokens proposed to follow ``token_ids``, verified by the next step
     # (pagedllm/spec_decode); never part of ``token_ids`` until accepted
     spec_token_ids: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -78,6 +80,11 @@ class Request:
             self.logprobs = []
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first prompt token has no logprob
+
+    @property
+    def prefix_keys(self) -> tuple | None:
+        """The extra key of this request's prefix-cache blocks (its adapter's id)."""
+        return lora_extra_keys(self.lora_request)
 
     @property
     def num_prompt_tokens(self) -> int:

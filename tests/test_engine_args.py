@@ -192,6 +192,7 @@ def test_readme_lists_every_option_in_order() -> None:
     ({"tensor_parallel_size": 2}, "-tp 1"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
      "--speculative-config"),
+    ({"enable_lora": True}, "--enable-lora"),
 ])
 def test_batch_invariant_refuses_what_it_does_not_cover(tiny_models: dict[str, Path],
                                                         change: dict[str, object],

@@ -30,10 +30,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.attention.quant import KVCacheTensor, write_slots
+
+if TYPE_CHECKING:
+    from pagedllm.lora.ops import LoRAMapping
 
 
 @dataclass
@@ -49,6 +53,8 @@ class AttentionMetadata:
     # Host copies for backends that dispatch per request (avoid device syncs).
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # the step's adapters (pagedllm/lora), read by the model's linears; None: base model only
+    lora: LoRAMapping | None = None
 
     @property
     def num_reqs(self) -> int:

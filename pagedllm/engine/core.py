@@ -24,6 +24,7 @@ from pagedllm.kv.manager import KVCacheManager
 from pagedllm.kv.plan import plan_kv_pool
 from pagedllm.kv.publisher import ZmqEventPublisher
 from pagedllm.logging_utils import init_logger
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import RequestStatus
 from pagedllm.runner.model_runner import ModelRunner, RunnerOutput
@@ -106,16 +107,20 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request. Raises ValueError without changing any state."""
+        """Validate and queue a request (with ``lora_request``: run by that adapter, loaded and
+        checked now). Raises ValueError without changing any state."""
         params = params or SamplingParams()
         self._check_new_id(request_id)
         text, ids = self.input.tokenize(prompt)
         self.scheduler.check_fits(len(ids))
         self.input.check_params(params, len(ids))
         self.structured.check(params)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        children = self.input.fan_out(request_id, ids, params, priority, arrival)
+        children = self.input.fan_out(request_id, ids, params, priority, arrival, lora_request)
         self.output.add(request_id, text, ids, children, arrival)
         try:  # n > 1: children fork the first child's prompt blocks (copy-on-write)
             self.structured.add(children)
@@ -124,6 +129,17 @@ class LLMEngine:
             self.structured.release([c.request_id for c in children])
             self.output.remove(request_id)
             raise
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter (every rank); ValueError (``LoRAError``) naming it and the
+        reason, or that LoRA is off. The engine is unchanged by a failure."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a pagedllm.LoRARequest, not "
+                             f"{type(lora_request).__name__}")
+        if self.config.lora is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r} needs an engine started "
+                             "with enable_lora=True (--enable-lora)")
+        self.executor.collective_rpc(ModelRunner.add_lora, lora_request)
 
     def add_beam_search(self, request_id: str, prompt: PromptType, beam_width: int,
                         max_tokens: int, arrival_time: float | None = None) -> None:

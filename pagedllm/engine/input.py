@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pagedllm.checks import check_text, check_token_ids
 from pagedllm.config import EngineConfig
+from pagedllm.lora.request import LoRARequest
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -70,7 +71,8 @@ class InputProcessor:
         return None
 
     def fan_out(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                priority: int, arrival: float) -> list[Request]:
+                priority: int, arrival: float,
+                lora_request: LoRARequest | None = None) -> list[Request]:
         """The ``n`` sequences of one request: ``request_id`` itself for n=1, else
         ``request_id#i`` with seed + i. Raises ValueError if n cannot run at once."""
         limit = self.config.scheduler.max_num_seqs
@@ -87,7 +89,7 @@ class InputProcessor:
             children.append(Request(
                 request_id=child_id, prompt_token_ids=prompt_ids, params=child_params,
                 eos_token_ids=self.eos_token_ids, max_model_len=self.config.scheduler.max_model_len,
-                priority=priority, arrival_time=arrival,
+                priority=priority, arrival_time=arrival, lora_request=lora_request,
             ))
         return children
 

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from pagedllm.args import EngineArgs
 from pagedllm.chat import load_chat_template, render_chat
 from pagedllm.engine import LLMEngine, PromptType
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -66,7 +67,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """``lora_request``: one adapter for every prompt, or one (or None: the base model)
+        per prompt; needs ``LLM(enable_lora=True)``."""
         plist = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(plist)
@@ -77,10 +81,16 @@ class LLM:
         prios = list(priority) if priority is not None else [0] * len(plist)
         if len(prios) != len(plist):
             raise ValueError(f"got {len(prios)} priorities for {len(plist)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(plist)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(plist):
+                raise ValueError(f"got {len(loras)} lora_requests for {len(plist)} prompts")
         final = {id(p): p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
         add = self.engine.add_request
-        return self._run([partial(add, prompt=p, params=final[id(sp)], priority=pr)
-                          for p, sp, pr in zip(plist, params, prios)], use_tqdm)
+        return self._run([partial(add, prompt=p, params=final[id(sp)], priority=pr, lora_request=lr)
+                          for p, sp, pr, lr in zip(plist, params, prios, loras)], use_tqdm)
 
     def chat(
         self,
@@ -91,6 +101,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
         several (a list of them), rendered by the tokenizer's chat template or ``chat_template``
@@ -102,7 +113,7 @@ class LLM:
             self.engine.tokenizer, list(conv), add_generation_prompt=add_generation_prompt,
             tools=tools, chat_template=template, chat_template_kwargs=chat_template_kwargs)}
             for conv in convs]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], beam_width: int,
                     max_tokens: int) -> list[BeamSearchOutput]:

@@ -20,6 +20,7 @@ from pagedllm.distributed.group import TPGroup, rows, shard_heads
 from pagedllm.layers import MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
 from pagedllm.layers.linear import Linear, row_parallel_linear
 from pagedllm.layers.rotary import apply_rotary_qk
+from pagedllm.lora.ops import LoRAMapping
 from pagedllm.models.base import CausalLM, KVCache
 
 
@@ -54,7 +55,10 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        if meta.lora is not None:
+            qkv = meta.lora.apply(self.qkv_proj, x, qkv)
+        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         q, k = apply_rotary_qk(q.view(t, self.num_heads, self.head_dim),  # [T, Hq, D]
                                k.view(t, self.num_kv_heads, self.head_dim),  # [T, Hkv, D]
                                cos, sin, self.fused)
@@ -62,7 +66,8 @@ class LlamaAttention(nn.Module):
         o = self.backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window
         )
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        o = o.reshape(t, self.num_heads * self.head_dim)
+        return self.o_proj(o) if meta.lora is None else meta.lora.apply(self.o_proj, o, self.o_proj(o))
 
 
 class LlamaMLP(nn.Module):
@@ -74,8 +79,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = row_parallel_linear(i, cfg.hidden_size, cfg.mlp_bias, tp)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
+        if lora is None:
+            return self.down_proj(self.act(self.gate_up_proj(x)))
+        h = self.act(lora.apply(self.gate_up_proj, x, self.gate_up_proj(x)))
+        return lora.apply(self.down_proj, h, self.down_proj(h))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -105,7 +113,8 @@ class LlamaDecoderLayer(nn.Module):
         """-> (this layer's MLP output, the running sum before it). Each residual add is fused
         into the norm that follows it: ``residual + x`` then ``norm``, the same arithmetic as
         ``x = x + attn(norm(x)); x = x + mlp(norm(x))``."""
-        if (self.fused and self.fused_layer and self.attend is not None
+        # a step with adapters runs the modules one by one: the deltas are added after each linear
+        if (self.fused and self.fused_layer and self.attend is not None and meta.lora is None
                 and type(kv_cache[0]) is type(kv_cache[1]) is torch.Tensor and kernels.fused(x)):
             return self._forward_ops(x, residual, cos, sin, kv_cache, meta)
         if residual is None:
@@ -114,7 +123,7 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm.add_norm(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, meta)
         h, residual = self.post_attention_layernorm.add_norm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, meta.lora), residual
 
     def _forward_ops(
         self,

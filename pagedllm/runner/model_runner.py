@@ -25,6 +25,9 @@ from pagedllm.distributed.group import TPGroup, local_kv_model
 from pagedllm.layers.linear import Linear, pack_batch_invariant, pack_linears
 from pagedllm.layers.sampler import SamplingMetadata, logprob_stats, plain_greedy, sample
 from pagedllm.logging_utils import init_logger
+from pagedllm.lora.manager import LoRAManager
+from pagedllm.lora.ops import LoRAMapping
+from pagedllm.lora.request import LoRARequest
 from pagedllm.models.loader import load_model
 from pagedllm.runner.batch import HostBatch, Uploader, build_host_batch, fetch
 from pagedllm.runner.constraints import TokenConstraints
@@ -97,6 +100,7 @@ class ModelRunner:
         if profiler is not None:
             profiler.start()
         self.model = load_model(config.model, self.backend, str(self.device), tp)
+        self.lora = None if config.lora is None else LoRAManager(self.model, config.lora, self.device)
         kernels.set_fused_ops(self.model, config.fused_ops)
         kernels.set_fused_ops(self.model, config.fused_layers, "fused_layer")
         if self.device.type == "cpu":
@@ -255,17 +259,25 @@ class ModelRunner:
         kv.copy_blocks(u.block_copies)
         kv.swap_in(u.swap_in)
 
+    def add_lora(self, req: LoRARequest) -> None:
+        """Load and check an adapter into the host cache (``LoRAError`` if it cannot run)."""
+        assert self.lora is not None
+        self.lora.add(req)
+
     @torch.inference_mode()
-    def run_step(self, kv: KVUpdate, batch: HostBatch | None) -> torch.Tensor | None:
+    def run_step(self, kv: KVUpdate, batch: HostBatch | None,
+                 lora: LoRAMapping | None = None) -> torch.Tensor | None:
         """What every rank does in a step: the KV changes, then the forward of ``batch`` (None:
-        a KV-only step). Hidden states [T, hidden], or [B, hidden] from a decode graph.
+        a KV-only step) with the step's adapters ``lora``. Hidden states [T, hidden], or
+        [B, hidden] from a decode graph (steps without adapters only: a graph holds none).
         Tensor-parallel workers receive this call from rank 0; their all-reduces pair up."""
         self.apply_kv_update(kv)
         if batch is None:
             return None
-        if self.graphs is not None and self.graphs.can_run(batch):
+        if lora is None and self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)  # [B, hidden]: one row per decode request
         input_ids, positions, meta = self.uploader.metadata(batch)
+        meta.lora = lora
         return self.run_forward(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
 
     @torch.inference_mode()
@@ -280,7 +292,9 @@ class ModelRunner:
             t0 = time.perf_counter()
             hb = self.prepare(sched)
             result.prepare_s = time.perf_counter() - t0
-        hidden = self.run_step(out.kv, hb)
+        lora = None if self.lora is None or not sched else self.lora.prepare(
+            [s.request.lora_request for s in sched], [s.num_new_tokens for s in sched])
+        hidden = self.run_step(out.kv, hb, lora)
         if hidden is None or hb is None:
             return result
 

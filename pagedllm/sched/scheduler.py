@@ -36,6 +36,7 @@ import logging
 from pagedllm.config import SchedulerConfig
 from pagedllm.kv.manager import KVCacheManager, PrefixHit
 from pagedllm.kv.window import min_blocks_to_serve
+from pagedllm.lora.request import LoRAPlaces
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sched.memory import KVMemoryPolicy
 from pagedllm.sched.output import ScheduledRequest, SchedulerOutput
@@ -184,8 +185,7 @@ class Scheduler:
         return lo if lo and self._try_allocate(req, computed + lo, prefix) else 0
 
     def _wanted(self, req: Request) -> int:
-        """Tokens ``req`` would compute now: all that are left, except that a parent with pending
-        forks stops one short of its prompt's end (the fork point)."""
+        """Tokens ``req`` would compute now: all left; a parent with pending forks stops at them."""
         if req.request_id in self._forks:
             return req.num_prompt_tokens - 1 - req.num_computed_tokens
         return req.num_tokens - req.num_computed_tokens
@@ -201,11 +201,11 @@ class Scheduler:
         out = SchedulerOutput()
         self.memory.grow(out, self.requests.values(), len(self.running))
         budget = self.config.max_num_batched_tokens
-        i = 0
+        i, loras = 0, LoRAPlaces(self.config.max_loras)  # this step's adapters (lora/request.py)
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(self._wanted(req), budget)
-            if n <= 0:
+            if n <= 0 or not loras.admits(req.lora_request):
                 i += 1
                 continue
             spec = proposals_to_verify(req, n, budget, len(self.running) - 1 - i, self.kv,
@@ -219,7 +219,7 @@ class Scheduler:
             i += 1
 
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, loras)
         out.kv.block_copies = self.kv.take_block_copies()
         return out
 
@@ -233,12 +233,13 @@ class Scheduler:
                 return 0
         return got
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        chunked = self.config.enable_chunked_prefill
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, loras: LoRAPlaces) -> None:
         while (self.waiting or self.swapped) and budget > 0:
             from_host = bool(self.swapped) and (
                 not self.waiting or self.swapped[0].sort_key < self.waiting[0][0])
             req = self.swapped[0] if from_host else self.waiting[0][1]
+            if not loras.admits(req.lora_request):
+                break  # first come, first served: nothing younger jumps the queue
             seats = 1 + len(self._forks.get(req.request_id, ()))
             if self.running and self._seats_taken() + seats > self.config.max_num_seqs:
                 refund = self._preempt_for(req, out)
@@ -255,15 +256,14 @@ class Scheduler:
                     used = -refund
                 budget -= used
                 continue
-            prefix = None
-            computed = 0
+            prefix, computed = None, 0
             if req.params.prompt_logprobs is None and self.kv.enable_prefix_caching:
-                prefix = self.kv.find_prefix(req.token_ids, record_stats=False)
+                prefix = self.kv.find_prefix(req.token_ids, req.prefix_keys, record_stats=False)
                 computed = prefix.num_tokens
             n = self._wanted(req) - computed  # waiting requests have computed nothing
             if n == 0:  # a parent whose hit covers the fork point: fork now, then run 1 token
                 n = 1
-            if n > budget and not chunked:
+            if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = self._allocate_chunk(req, computed, min(n, budget), prefix)
             if not n:
@@ -391,7 +391,7 @@ class Scheduler:
                 continue
             req.num_computed_tokens += s.num_new_tokens
             status = keep_accepted(s, sampled.get(req.request_id), accepted, self.kv)
-            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens, req.prefix_keys)
             self.kv.free_outside_window(req.request_id, req.num_computed_tokens)
             self._fork_if_due(req)
             if status is not None:

@@ -19,8 +19,8 @@ HARMLESS = {
 # flag -> what to do instead (flags that take a value)
 REFUSED = {
     "--quantization": "pagedllm loads unquantized weights only (KV cache: --kv-cache-dtype)",
-    "--enable-lora": "LoRA adapters are not supported",
-    "--lora-modules": "LoRA adapters are not supported",
+    "--lora-modules": "the server does not load LoRA adapters yet; use LLM(enable_lora=True) "
+                      "and generate(..., lora_request=...)",
     "--pipeline-parallel-size": "use --tensor-parallel-size",
     "--cpu-offload-gb": "weights stay on one device; use --swap-space for KV",
     "--load-format": "pagedllm reads safetensors checkpoints only",

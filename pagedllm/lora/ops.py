@@ -1,0 +1,96 @@
+"""The batched mixed-adapter LoRA delta of one linear layer: ``y += B[slot(t)] @ A[slot(t)] @ x_t``
+for every token t of the step, the base model's tokens (slot ``max_loras``, all zeros) untouched.
+
+Per linear the adapter slots are stacked (lora/manager.py)::
+
+    A  [S+1, n*R, in]        n = shards of a fused linear (qkv: 3, gate_up: 2, else 1), R = max rank
+    B  n x [S+1, out_j, R]   scaling folded in; slot S stays zero (the base model)
+
+Three ways to run it, same arithmetic (``LoRAMapping.method``):
+
+- ``"dense"``: every adapter slot at once, masked: ``h = x @ A_flat.T`` [T, S*n*R], zero each
+  token's parts of other slots (a one-hot mask made once per step; the base's tokens: all), then
+  per shard one GEMM with ``B_flat_j`` [S*R, out_j]: 2 + 2n ops per linear whatever the number
+  of adapters, reading every slot's weights once. The fastest on small (decode) steps, where
+  per-op overhead and weight reads, not multiply-adds, are the cost (measured: README).
+- ``"loop"`` (SGMV-like): for each adapter present in the step (<= max_loras), the rows of its
+  tokens: ``h = x[rows] @ A[s].T``, ``y[rows, cols_j] += h[:, jR:(j+1)R] @ B_j[s].T``. Two small
+  GEMMs per adapter and shard; no gathered weights. Used for steps with prefill chunks.
+- ``"gather"`` (BGMV-like): gather every token's A and B by index and run batched mat-vecs
+  (``torch.bmm``): one op per shard whatever the number of adapters; the gathered weights are
+  [T, n*R, in] + [T, out, R]. Never picked by default (slower than "dense" on decode steps on
+  CPU: README); kept as a tested reference and a ``method`` to measure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# steps with at most this many tokens use "dense", larger ones "loop": dense was faster on
+# 8-token decode steps and slower on 256-token prefills (scripts/lora_throughput.py); the cut
+# between them is a guess, not measured
+DENSE_MAX_TOKENS = 64
+
+
+@dataclass
+class LoRAStack:
+    """One linear layer's adapter slots (see the module docstring)."""
+
+    a: torch.Tensor  # [S+1, n*R, in]
+    b: list[torch.Tensor]  # n x [S+1, out_j, R]
+    offsets: list[int]  # first output column of each shard
+    rank: int  # R
+    b_flat: list[torch.Tensor]  # n x [S*R, out_j]: row (s, k) = B_j[s, :, k] (slots < S)
+
+
+@dataclass
+class LoRAMapping:
+    """A step's adapters, built by the runner from the scheduled requests (lora/manager.py).
+
+    ``token_slots`` [T] int64: each token's slot (S = the base model); ``groups``: per slot
+    present in the step, the rows of its tokens and the linears its adapter targets."""
+
+    token_slots: torch.Tensor
+    groups: list[tuple[int, torch.Tensor, frozenset[nn.Module]]]
+    stacks: dict[nn.Module, LoRAStack]
+    method: str  # "dense" | "loop" | "gather"
+    onehot: torch.Tensor | None = None  # [T, S, 1] in the model's dtype ("dense")
+
+    def apply(self, linear: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (``linear``'s output [T, out] for input ``x`` [T, in]) plus the adapters'
+        deltas, in place."""
+        stack = self.stacks.get(linear)
+        if stack is None:
+            return y
+        if self.method == "dense":
+            assert self.onehot is not None
+            s, r = self.onehot.shape[1], stack.rank
+            a = stack.a[:s].flatten(0, 1)  # [S*nR, in]: the zero base slot left out
+            h = (x @ a.t()).view(x.shape[0], s, -1) * self.onehot  # [T, S, nR]
+            for j, (bf, off) in enumerate(zip(stack.b_flat, stack.offsets)):
+                hj = h[:, :, j * r:(j + 1) * r].reshape(x.shape[0], s * r)  # [T, S*R]
+                y[:, off:off + bf.shape[1]].addmm_(hj, bf)
+            return y
+        if self.method == "gather":
+            return _gather(stack, self.token_slots, x, y)
+        r = stack.rank
+        for slot, rows, targets in self.groups:
+            if linear not in targets:
+                continue
+            h = x.index_select(0, rows) @ stack.a[slot].t()  # [t, n*R]
+            for j, (b, off) in enumerate(zip(stack.b, stack.offsets)):
+                delta = h[:, j * r:(j + 1) * r] @ b[slot].t()  # [t, out_j]
+                y[:, off:off + b.shape[1]].index_add_(0, rows, delta)
+        return y
+
+
+def _gather(stack: LoRAStack, slots: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    r = stack.rank
+    h = torch.bmm(stack.a.index_select(0, slots), x.unsqueeze(-1))  # [T, n*R, 1]
+    for j, (b, off) in enumerate(zip(stack.b, stack.offsets)):
+        delta = torch.bmm(b.index_select(0, slots), h[:, j * r:(j + 1) * r])  # [T, out_j, 1]
+        y[:, off:off + b.shape[1]] += delta.squeeze(-1)
+    return y

@@ -1,0 +1,88 @@
+"""Output tok/s of a batch whose requests run 8 different LoRA adapters vs the same batch on the
+base model alone (issue 29's target: >= 0.7x), side by side, reps interleaved.
+
+    python scripts/lora_throughput.py                         # the shipped model
+    python scripts/lora_throughput.py --model /tmp/llama-100m --batch 8 --max-tokens 64
+
+Adapters: random PEFT adapters (rank --rank on q/k/v/o/gate/up/down, saved with PEFT's
+save_pretrained into a temporary directory). ``--methods`` times the delta's three ways
+(pagedllm/lora/ops.py): auto (by step size), dense, loop, gather; base-unfused is the
+base model with the fused decoder-layer ops off, the path a step with adapters takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch  # noqa: E402
+
+from pagedllm import LLM, LoRARequest, SamplingParams, kernels  # before torch (_openmp.py)
+from pagedllm.config import default_model_path
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapters(model: str, root: Path, n: int, rank: int) -> list[LoRARequest]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    out = []
+    for i in range(n):
+        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        torch.manual_seed(i)
+        m = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
+                                            init_lora_weights=False))
+        m.save_pretrained(root / f"a{i}")
+        out.append(LoRARequest(f"a{i}", i + 1, str(root / f"a{i}")))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--methods", default="auto", help="comma list of auto, dense, loop, gather")
+    a = ap.parse_args()
+    model = a.model or default_model_path()
+    with tempfile.TemporaryDirectory() as tmp:
+        loras = make_adapters(model, Path(tmp), a.adapters, a.rank)
+        llm = LLM(model, enable_lora=True, max_loras=a.adapters, max_lora_rank=a.rank,
+                  max_num_seqs=a.batch, enable_prefix_caching=False)
+        runner = llm.engine.executor.driver
+        assert runner.lora is not None
+        prompts = [{"prompt_token_ids": [(7 * i + j) % 200 + 3 for j in range(a.prompt_len)]}
+                   for i in range(a.batch)]
+        sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
+        mixed = [loras[i % len(loras)] for i in range(a.batch)]
+        llm.generate(prompts, sp, use_tqdm=False, lora_request=mixed)  # warm-up, slots loaded
+        llm.generate(prompts, sp, use_tqdm=False)
+        cases = [("base", None, None), ("base-unfused", None, "unfused")] + [(f"lora-{m}", mixed, None if m == "auto" else m)
+                                          for m in a.methods.split(",")]
+        best: dict[str, float] = {}
+        print("timing", flush=True)
+        for _ in range(a.reps):
+            for name, lr, method in cases:
+                kernels.set_fused_ops(runner.model, method != "unfused", "fused_layer")
+                runner.lora.method = None if method == "unfused" else method
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=lr)
+                dt = time.perf_counter() - t0
+                toks = sum(len(o.outputs[0].token_ids) for o in outs)
+                best[name] = max(best.get(name, 0.0), toks / dt)
+                print(f"  {name}: {toks / dt:.1f} tok/s", flush=True)
+        print(f"model={model} batch={a.batch} adapters={a.adapters} rank={a.rank} "
+              f"prompt={a.prompt_len} max_tokens={a.max_tokens} threads={torch.get_num_threads()}")
+        for name, tps in best.items():
+            print(f"{name:12s} {tps:9.1f} output tok/s  {tps / best['base']:.2f}x base")
+
+
+if __name__ == "__main__":
+    main()
