@@ -57,8 +57,9 @@ class Linear(nn.Linear):
         """Pack the weight (``backend`` "auto": "gemm" where it runs, else "onednn"; or either
         by name); False (and nothing changes) where no packing runs it: not on CPU, no oneDNN,
         or a dtype it does not run here (``onednn_dtypes``, ``gemm_runs``). "auto" takes the
-        GEMM for every dtype it runs: in the engine, side by side with oneDNN, 1.06-1.07x
-        output tok/s in fp32 and 1.06x in bf16 (125M model).
+        GEMM for every dtype it runs, but bf16 on an AMX CPU (``onednn_first``): in the engine,
+        side by side with oneDNN, 1.06-1.07x output tok/s in fp32 and 1.06x in bf16 (125M
+        model, AVX512-BF16 without AMX).
 
         ``weight_dtype`` (bfloat16 / float16, for a float32 layer; ``w16_dtype``): the GEMM
         keeps the weight in that dtype and widens it to fp32 in registers (half the bytes a
@@ -70,7 +71,8 @@ class Linear(nn.Linear):
         if weight_dtype is not None and backend in ("auto", "gemm") and gemm_runs(w):
             self.packed = torch.ops.pagedllm.pack_gemm_weight_w16(w.detach().to(weight_dtype))
             self.kind = "gemm"
-        elif backend in ("auto", "gemm") and gemm_runs(w, any_width):
+        elif (backend == "gemm" or backend == "auto" and not onednn_first(w.dtype)) \
+                and gemm_runs(w, any_width):
             self.packed, self.kind = torch.ops.pagedllm.pack_gemm_weight(w.detach()), "gemm"
         elif backend != "gemm" and w.dtype in onednn_dtypes():
             self.packed, self.kind = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), "onednn"
@@ -114,6 +116,15 @@ def gemm_dtypes() -> tuple[torch.dtype, ...]:
     ops = torch.ops.pagedllm
     runs = ((torch.float32, ops.gemm_vectorized()), (torch.bfloat16, ops.gemm_bf16_vectorized()))
     return tuple(dtype for dtype, ok in runs if ok)
+
+
+def onednn_first(dtype: torch.dtype) -> bool:
+    """Whether "auto" packs ``dtype`` for oneDNN even where pagedllm's GEMM runs it: bfloat16
+    on a CPU with AMX-BF16, whose tile instructions oneDNN uses and the GEMM (vdpbf16ps) does
+    not. 125M bf16 in the engine, side by side on such a CPU (`bench throughput --backends
+    'pagedllm[linear_backend=gemm],pagedllm[linear_backend=onednn]'`): GEMM 0.65x."""
+    return (dtype == torch.bfloat16 and "amx_bf16" in kernels.cpu_flags()
+            and dtype in onednn_dtypes())
 
 
 def gemm_runs(w: torch.Tensor, any_width: bool = False) -> bool:

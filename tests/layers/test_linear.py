@@ -166,6 +166,28 @@ def test_bf16_takes_onednn_where_the_gemm_does_not_run(caps: tuple[torch.dtype, 
             torch.testing.assert_close(m(x), want, **TOL[torch.bfloat16], msg=kind)
 
 
+@pytest.mark.parametrize("amx", [True, False])
+def test_auto_packs_bf16_for_onednn_on_an_amx_cpu(amx: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AMX-BF16, oneDNN's tiles beat the GEMM's vdpbf16ps (0.65x in the engine), so "auto"
+    packs bf16 for oneDNN there; without it, for the GEMM where the GEMM runs bf16; "gemm" asks
+    for the GEMM either way, and fp32 is not affected."""
+    from pagedllm import kernels
+
+    if torch.bfloat16 not in onednn_dtypes() or not kernels.available():
+        pytest.skip("no bf16 oneDNN or no kernels on this CPU")
+    monkeypatch.setattr("pagedllm.layers.linear.gemm_dtypes", lambda: (torch.float32, torch.bfloat16))
+    flags = kernels.cpu_flags() | {"amx_bf16"} if amx else kernels.cpu_flags() - {"amx_bf16"}
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
+    for dtype, auto_kind in ((torch.bfloat16, "onednn" if amx else "gemm"), (torch.float32, "gemm")):
+        if dtype == torch.float32 and not torch.ops.pagedllm.gemm_vectorized():
+            continue
+        m = Linear(64, 32, bias=False).to(dtype)
+        assert m.pack() and m.kind == auto_kind, (dtype, m.kind)
+        if dtype == torch.bfloat16 and torch.ops.pagedllm.gemm_bf16_vectorized():
+            g = Linear(64, 32, bias=False).to(dtype)
+            assert g.pack(backend="gemm") and g.kind == "gemm"
+
+
 def test_no_kernels_no_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("pagedllm.kernels.available", lambda: False)
     assert gemm_dtypes() == ()
@@ -232,7 +254,7 @@ def test_tied_lm_head_on_the_gemm_keeps_the_embedding_weight(dtype: torch.dtype)
 
     model = _init(Tied(), 0).to(dtype)
     emb = model.embed.weight.detach().clone()
-    assert pack_linears(model) == 1 and model.lm_head.kind == "gemm"
+    assert pack_linears(model, "gemm") == 1 and model.lm_head.kind == "gemm"
     assert model.lm_head.weight is model.embed.weight and torch.equal(model.embed.weight, emb)
     ids = torch.tensor([3, 319, 0])
     with torch.inference_mode():
