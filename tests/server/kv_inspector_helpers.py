@@ -5,6 +5,7 @@ way to hold the engine between two steps in a chosen state."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -78,7 +79,11 @@ def paused(server: ServerThread, want: Any) -> Iterator[dict[str, Any]]:
         if not want(engine):
             return False
         engine.check_integrity()
-        box["snapshot"] = kv_snapshot(engine, inspector.show_text)
+        box["snapshot"] = snap = kv_snapshot(engine, inspector.show_text)
+        # The page shows the inspector's latest snapshot; the core is held here, so hand it this
+        # one (on the event loop, after any capture the core answered before the hold) and ask
+        # for no other until the release.
+        asyncio.run_coroutine_threadsafe(_publish(inspector, snap), inspector.client._loop).result(30)
         box["kv_stats"] = engine.kv_stats()
         pool = engine.kv.pool  # the pool's own counts, beside kv_stats()'s
         box["pool"] = {"num_blocks": pool.num_blocks, "free_blocks": pool.num_free_blocks,
@@ -101,8 +106,19 @@ def paused(server: ServerThread, want: Any) -> Iterator[dict[str, Any]]:
         assert ready.wait(60), "the engine never reached the wanted state"
         yield box
     finally:
+        inspector.__dict__.pop("refresh", None)  # captures resume
         release.set()
         holder[0].join(60)
+
+
+async def _publish(inspector: Any, snap: dict[str, Any]) -> None:
+    inspector.refresh = lambda: None
+    pending = inspector._pending
+    if pending is not None and not pending.done():  # answered before the hold: lands now
+        await asyncio.wait({pending}, timeout=2)  # (asked after it: blocked until the release)
+    inspector.num_captures += 1
+    snap["seq"] = inspector.num_captures
+    inspector.latest = snap
 
 
 @contextmanager
