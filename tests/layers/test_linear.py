@@ -175,17 +175,17 @@ def test_auto_packs_bf16_for_onednn_on_an_amx_cpu(amx: bool, monkeypatch: pytest
 
     if torch.bfloat16 not in onednn_dtypes() or not kernels.available():
         pytest.skip("no bf16 oneDNN or no kernels on this CPU")
-    monkeypatch.setattr("pagedllm.layers.linear.gemm_dtypes", lambda: (torch.float32, torch.bfloat16))
     flags = kernels.cpu_flags() | {"amx_bf16"} if amx else kernels.cpu_flags() - {"amx_bf16"}
     monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
-    for dtype, auto_kind in ((torch.bfloat16, "onednn" if amx else "gemm"), (torch.float32, "gemm")):
-        if dtype == torch.float32 and not torch.ops.pagedllm.gemm_vectorized():
-            continue
+    bf16_gemm = torch.bfloat16 in gemm_dtypes()
+    want = {torch.bfloat16: "gemm" if bf16_gemm and not amx else "onednn",
+            torch.float32: "gemm" if torch.float32 in gemm_dtypes() else "onednn"}
+    for dtype, kind in want.items():
         m = Linear(64, 32, bias=False).to(dtype)
-        assert m.pack() and m.kind == auto_kind, (dtype, m.kind)
-        if dtype == torch.bfloat16 and torch.ops.pagedllm.gemm_bf16_vectorized():
-            g = Linear(64, 32, bias=False).to(dtype)
-            assert g.pack(backend="gemm") and g.kind == "gemm"
+        assert m.pack() and m.kind == kind, (dtype, m.kind)
+    if bf16_gemm:
+        g = Linear(64, 32, bias=False).to(torch.bfloat16)
+        assert g.pack(backend="gemm") and g.kind == "gemm"
 
 
 def test_no_kernels_no_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
