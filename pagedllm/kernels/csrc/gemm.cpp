@@ -31,44 +31,12 @@
 #endif
 
 #include "gemm.h"
-#include "gemm_avx2.h"
-#include "gemm_avx512.h"
+#include "gemm_tile.h"
 
 namespace pagedllm {
 namespace {
 
 constexpr int64_t PANEL = GEMM_PANEL;
-
-#if defined(__AVX512F__)
-template <int R>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t k_n, const float* bias,
-                 float* y, int64_t ldy, int64_t n_valid, GemmAhead ahead) {
-  avx512_tile<R, Load16F32>(x, ldx, w, k_n, bias, y, ldy, n_valid, ahead);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-template <int R>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t k_n, const float* bias,
-                 float* y, int64_t ldy, int64_t n_valid, GemmAhead ahead) {
-  avx2_tile<R, LoadF32>(x, ldx, w, k_n, bias, y, ldy, n_valid, ahead);
-}
-#else
-template <int R>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t k_n, const float* bias,
-                 float* y, int64_t ldy, int64_t n_valid, GemmAhead) {
-  float acc[R][PANEL] = {};
-  for (int64_t k = 0; k < k_n; ++k)
-    for (int r = 0; r < R; ++r) {
-      const float xv = x[r * ldx + k];
-#pragma omp simd
-      for (int64_t j = 0; j < PANEL; ++j) acc[r][j] += xv * w[k * PANEL + j];
-    }
-  for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < n_valid; ++j) y[r * ldy + j] = acc[r][j] + (bias ? bias[j] : 0.0f);
-}
-#endif
-
-constexpr GemmTile<float> TILES[GEMM_MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
-                                               tile<5>, tile<6>, tile<7>, tile<8>};
 
 }  // namespace
 
@@ -192,7 +160,7 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor y = at::empty({m, n}, x.options());
   gemm_panels(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), k * PANEL, b,
-              y.data_ptr<float>(), m, n, k, TILES, GEMM_PARALLEL_MIN_MACS);
+              y.data_ptr<float>(), m, n, k, GEMM_TILES<WeightF32>, GEMM_PARALLEL_MIN_MACS);
   return y;
 }
 

@@ -9,70 +9,23 @@
 //
 //     packed[p, k, j] = W[32 p + j, k]      (zero where 32 p + j >= N)   -> [ceil(N/32), K, 32]
 //
-// so one k row of a panel is 64 bytes, one cache line (AVX-512: two 16-lane widenings per k;
-// AVX2: gemm_avx2.h's tile with LoadBF16 / LoadF16). gemm_packed takes it where x is float32
+// so one k row of a panel is 64 bytes, one cache line (gemm_tile.h's tile for the build's ISA,
+// on WeightBF16 / WeightF16). gemm_packed takes it where x is float32
 // and the packed weight 16-bit (gemm_bf16.cpp's k-pair layout is for bf16 x on AVX512-BF16).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <optional>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #include "gemm.h"
-#include "gemm_avx2.h"
-#include "gemm_avx512.h"
+#include "gemm_tile.h"
 
 namespace pagedllm {
 namespace {
 
 constexpr int64_t PANEL = GEMM_PANEL;
-
-#if defined(__AVX512F__)
-template <int R, typename L>
-inline void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t k_n, const float* bias,
-                 float* y, int64_t ldy, int64_t n_valid, GemmAhead ahead) {
-  avx512_tile<R, L>(x, ldx, w, k_n, bias, y, ldy, n_valid, ahead);
-}
-using BF16 = Load16BF16;
-using F16 = Load16F16;
-#elif defined(__AVX2__) && defined(__FMA__)
-template <int R, typename L>
-inline void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t k_n, const float* bias,
-                 float* y, int64_t ldy, int64_t n_valid, GemmAhead ahead) {
-  avx2_tile<R, L>(x, ldx, w, k_n, bias, y, ldy, n_valid, ahead);
-}
-using BF16 = LoadBF16;
-using F16 = LoadF16;
-#else
-struct BF16 {
-  static float at(uint16_t v) { return c10::BFloat16(v, c10::BFloat16::from_bits()); }
-};
-struct F16 {
-  static float at(uint16_t v) { return c10::Half(v, c10::Half::from_bits()); }
-};
-template <int R, typename L>
-inline void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t k_n, const float* bias,
-                 float* y, int64_t ldy, int64_t n_valid, GemmAhead) {
-  float acc[R][PANEL] = {};
-  for (int64_t k = 0; k < k_n; ++k)
-    for (int r = 0; r < R; ++r)
-      for (int64_t j = 0; j < PANEL; ++j) acc[r][j] += x[r * ldx + k] * L::at(w[k * PANEL + j]);
-  for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < n_valid; ++j) y[r * ldy + j] = acc[r][j] + (bias ? bias[j] : 0.0f);
-}
-#endif
-
-template <typename L>
-constexpr GemmTile<float, uint16_t> TILES[GEMM_MR + 1] = {
-    nullptr, tile<1, L>, tile<2, L>, tile<3, L>, tile<4, L>,
-    tile<5, L>, tile<6, L>, tile<7, L>, tile<8, L>};
 
 }  // namespace
 
@@ -107,7 +60,8 @@ at::Tensor gemm_packed_w16(const at::Tensor& x, const at::Tensor& packed, int64_
   }
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor y = at::empty({m, n}, x.options());
-  const auto* tiles = packed.scalar_type() == at::kBFloat16 ? TILES<BF16> : TILES<F16>;
+  const auto* tiles =
+      packed.scalar_type() == at::kBFloat16 ? GEMM_TILES<WeightBF16> : GEMM_TILES<WeightF16>;
   gemm_panels<float, uint16_t>(x.data_ptr<float>(), x.stride(0),
                                static_cast<const uint16_t*>(packed.data_ptr()), k * PANEL, b,
                                y.data_ptr<float>(), m, n, k, tiles, GEMM_PARALLEL_MIN_MACS, 64);
