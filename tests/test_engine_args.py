@@ -16,6 +16,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.args import EngineArgs
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.entrypoints.cli import build_parser, main
+from pagedllm.layers.linear import w16_dtype
 
 FIELDS = dataclasses.fields(EngineArgs)
 
@@ -158,9 +159,14 @@ def test_new_flags_reach_the_frozen_config(tiny_models: dict[str, Path]) -> None
 def test_dtype_aliases_on_the_command_line(tiny_models: dict[str, Path], capsys: pytest.CaptureFixture[str],
                                            flag: str, resolved: str) -> None:
     assert main(["plan", "--model", str(tiny_models["llama"]), "--dtype", flag]) == 0
-    assert re.search(rf"head_dim \d+, {resolved}\)", capsys.readouterr().out)
+    out = capsys.readouterr().out
     cfg = EngineArgs(model=str(tiny_models["llama"]), dtype=flag).create_engine_config()
-    assert cfg.model.dtype == resolved
+    if w16_dtype(resolved, "cpu") is None:  # the CPU computes in the dtype itself
+        assert cfg.model.dtype == resolved and cfg.model.weight_dtype is None
+        assert re.search(rf"head_dim \d+, {resolved}\)", out)
+    else:  # no arithmetic for it here: 16-bit weights, float32 compute, and the plan says so
+        assert (cfg.model.dtype, cfg.model.weight_dtype) == ("float32", resolved)
+        assert re.search(rf"head_dim \d+, float32 compute, {resolved} weights\)", out)
 
 
 def test_dtype_half_generates_end_to_end(tiny_models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
@@ -169,7 +175,8 @@ def test_dtype_half_generates_end_to_end(tiny_models: dict[str, Path], capsys: p
                  "--ignore-eos"]) == 0
     out = capsys.readouterr()
     llm = LLM(model=model, dtype="float16")
-    assert llm.engine.config.model.dtype == "float16"
+    m = llm.engine.config.model
+    assert (m.weight_dtype or m.dtype) == "float16"  # float16 weights, float32 math without FP16
     expected = llm.generate("t5 t6 t7", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
                             use_tqdm=False)[0].outputs[0]
     assert len(expected.token_ids) == 5
@@ -210,5 +217,9 @@ def test_batch_invariant_refuses_a_backend_and_dtype_it_cannot_run(
 
     with pytest.raises(ValueError, match="--attention-backend cpu"):
         LLM(model=str(tiny_models["llama"]), batch_invariant=True, attention_backend="torch_ref")
-    with pytest.raises(ValueError, match="--dtype float32"):
-        LLM(model=str(tiny_models["llama"]), batch_invariant=True, dtype="float16")
+    if w16_dtype("float16", "cpu") is None:  # float16 math (AVX512-FP16) is oneDNN's, not the GEMM's
+        with pytest.raises(ValueError, match="--dtype float32"):
+            LLM(model=str(tiny_models["llama"]), batch_invariant=True, dtype="float16")
+    else:  # float16 weights on the GEMM, float32 math: batch-invariant as float32 is
+        llm = LLM(model=str(tiny_models["llama"]), batch_invariant=True, dtype="float16")
+        assert llm.engine.config.model.weight_dtype == "float16"

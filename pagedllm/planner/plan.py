@@ -68,7 +68,8 @@ def pool_lines(cfg: EngineConfig) -> list[str]:
     lines = [
         f"model            {m.model} ({m.architecture}, {m.num_hidden_layers} layers, "
         f"{m.num_attention_heads} q heads / {m.num_key_value_heads} kv heads, head_dim "
-        f"{m.head_dim}, {m.dtype})",
+        f"{m.head_dim}, {m.dtype}"
+        + (f" compute, {m.weight_dtype} weights)" if m.weight_dtype else ")"),
         f"KV per token     {c.kv_bytes_per_token(m)} bytes ({c.kv_dtype_label(m)}; "
         f"{m.kv_bytes_per_token} at {m.dtype})",
         f"block            {plan.block_size} tokens = {plan.bytes_per_block} bytes",
