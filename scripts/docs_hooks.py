@@ -99,8 +99,14 @@ def bench_md(spec: str) -> str:
     out += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
     if isinstance(data.get("ratios"), dict) and data["ratios"]:
         out += ["", "Ratios: " + "; ".join(_ratio(k, v) for k, v in data["ratios"].items()) + "."]
+    for t in data.get("targets") or []:
+        verdict = "met" if t.get("met") else "missed"
+        out += ["", f"Target {t['target']}: {_fmt(t.get('value'))}, **{verdict}** in this run."]
     if "greedy_output_agreement" in data:
-        out += ["", f"Greedy outputs identical: {_fmt(data['greedy_output_agreement'])}."]
+        agree = data["greedy_output_agreement"]
+        shares = agree.items() if isinstance(agree, dict) else [("", agree)]
+        out += ["", "Greedy outputs identical: "
+                + ", ".join(f"{k} {v:.0%}".strip() for k, v in shares) + "."]
     m = data.get("machine", {})
     if m:
         out += ["", f"Machine: {m.get('cpu_count')} x {m.get('cpu_model')} "
