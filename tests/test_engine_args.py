@@ -184,8 +184,8 @@ def test_dtype_half_generates_end_to_end(tiny_models: dict[str, Path], capsys: p
     assert "5 tokens" in out.err
 
 
-def test_readme_lists_every_option_in_order() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def test_getting_started_lists_every_option_in_order() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "getting-started.md").read_text()
     start = readme.index("<!-- engine-options")
     block = readme[readme.index("-->", start) + 3:readme.index("<!-- /engine-options -->")]
     listed = [m for m in re.findall(r"`([a-z_]+)`", block) if m in {f.name for f in FIELDS}]
