@@ -129,8 +129,11 @@ def test_every_end_passes_finish_request_once_and_stop_strings_abort_in_the_core
     monkeypatch.setattr(Scheduler, "finish_request", spy)
     aborts: list[list[str]] = []
     real_abort = engine.core.abort_requests
-    monkeypatch.setattr(engine.core, "abort_requests",
-                        lambda ids: (aborts.append(list(ids)), real_abort(ids))[1])
+    def abort(ids: list[str], step: Any = None) -> list[str]:
+        aborts.append(list(ids))
+        return real_abort(ids, step)
+
+    monkeypatch.setattr(engine.core, "abort_requests", abort)
     wire_enc, wire_dec = encoder(), from_core_decoder()
     real_step = engine.core.step
 
@@ -152,11 +155,18 @@ def test_every_end_passes_finish_request_once_and_stop_strings_abort_in_the_core
     engine.step()
     assert engine.abort_request("gone")
     final: dict[str, Any] = {}
+    reasons: list[str] = []
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
         engine.check_integrity()
+        # the step's record, with its request events, brought up to date after the aborts
+        s, sched = engine.stats, engine.scheduler
+        assert s.step == sched.num_steps and s.num_running == sched.num_running
+        assert s.kv.free == engine.kv.num_free_blocks
+        reasons += s.finish_reasons
+    assert sorted(reasons) == sorted(["length", "stop"] + [c.finish_reason for c in final["n"].outputs])
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     by_id = dict(ended)
     assert len(by_id) == len(ended), f"a sequence was finished twice: {ended}"

@@ -185,9 +185,10 @@ class LLMEngine:
 
     # -- the hot loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        processed = self.output.process(self.core.step())
+        outs = self.core.step()
+        processed = self.output.process(outs)
         if processed.aborts:  # stop strings: the core forgets them before its next step
-            self.core.abort_requests(processed.aborts)
+            self.core.abort_requests(processed.aborts, outs.stats)
         return processed.outputs
 
     # -- introspection ----------------------------------------------------------------------------

@@ -131,9 +131,11 @@ class EngineCore:
         """A generate request or one of its sequences (not a beam)."""
         return seq_id in self._group_of or seq_id in self.groups
 
-    def abort_requests(self, ids: list[str]) -> list[str]:
+    def abort_requests(self, ids: list[str], step: StepStats | None = None) -> list[str]:
         """Abort requests, single sequences of n > 1 (a stop string found by the front end) or
-        beam searches; returns the ids that were live."""
+        beam searches; returns the ids that were live. ``step``: the record of the step whose
+        outputs led to the aborts (stop strings, in the same process), brought up to date as
+        ``stats``; else ``stats`` becomes a snapshot."""
         found = []
         for rid in ids:
             seqs = self.groups.get(rid)
@@ -147,7 +149,8 @@ class EngineCore:
                 found.append(rid)
         if found:
             self._release_ended()
-            self.stats = self.current_stats()  # the state changed outside a step
+            # the state changed outside a step
+            self.stats = self.current_stats() if step is None else self._close(step, step.step_time_s)
         return found
 
     def has_unfinished_requests(self) -> bool:

@@ -137,6 +137,7 @@ class OutputProcessor:
         done = ProcessedOutputs()
         stats = core.stats if core.stats is not None else StepStats()
         touched: dict[str, _Group] = {}
+        produced: set[str] = set()  # requests with new tokens (an error may end one without)
         now = time.monotonic()
         for out in core.outputs:
             if out.beams is not None:
@@ -153,11 +154,13 @@ class OutputProcessor:
                 self._record_prompt_logprobs(group, out.prompt_logprobs)
             if out.new_token_ids or out.finish_reason is not None:
                 touched[group.request_id] = group
+                if out.new_token_ids:
+                    produced.add(group.request_id)
                 if self._add_tokens(seq, out, stats, now):
                     done.aborts.append(out.request_id)
         for group in touched.values():
             finished = group.finished
-            _record_events(group, now, finished, stats)
+            _record_events(group, now, group.request_id in produced, finished, stats)
             ro = self._output(group, now, finished)
             if ro is not None:
                 done.outputs.append(ro)
@@ -282,15 +285,17 @@ class OutputProcessor:
                              RequestMetrics(arrival_time=group.arrival_time))
 
 
-def _record_events(group: _Group, now: float, finished: bool, stats: StepStats) -> None:
-    """A request that produced tokens this step: its first-token or inter-token latency, and
-    its end-to-end latency and finish reasons when it is done."""
-    if group.last_token_time is None:
-        stats.time_to_first_token_s.append(now - group.arrival_time)
-        stats.num_prompt_tokens += len(group.prompt_token_ids)
-    else:
-        stats.inter_token_latency_s.append(now - group.last_token_time)
-    group.last_token_time = now
+def _record_events(group: _Group, now: float, produced: bool, finished: bool,
+                   stats: StepStats) -> None:
+    """A request that produced tokens this step (``produced``) or ended: its first-token or
+    inter-token latency, and its end-to-end latency and finish reasons when it is done."""
+    if produced:
+        if group.last_token_time is None:
+            stats.time_to_first_token_s.append(now - group.arrival_time)
+            stats.num_prompt_tokens += len(group.prompt_token_ids)
+        else:
+            stats.inter_token_latency_s.append(now - group.last_token_time)
+        group.last_token_time = now
     if finished:
         stats.e2e_latency_s.append(now - group.arrival_time)
         stats.finish_reasons += [s.finish_reason or "abort" for s in group.seqs]
