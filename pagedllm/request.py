@@ -40,7 +40,9 @@ PositionLogprobs = dict[int, Logprob]
 
 @dataclass(eq=False)
 class Request:
-    """A single sequence being generated.
+    """A single sequence being generated: the engine core's state of it (what the scheduler, the
+    KV manager and the runner need). Its text, detokenizer, stop-string state and logprobs are
+    the front end's (``engine.output.SeqOutput``).
 
     ``token_ids`` = prompt + generated tokens. ``num_computed_tokens`` counts the tokens whose
     K/V are in the cache; the scheduler moves it toward ``num_tokens`` (prefill chunks and decode
@@ -61,11 +63,6 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     token_ids: list[int] = field(init=False)
-    # Sampling outputs, filled by the engine.
-    cumulative_logprob: float = 0.0
-    logprobs: list[PositionLogprobs] | None = None
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    first_token_time: float | None = None
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     # False: preempted by recompute whatever preemption_mode says (beams, pagedllm.engine.beam)
     swappable: bool = True
@@ -76,10 +73,6 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        if self.params.logprobs is not None:
-            self.logprobs = []
-        if self.params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None]  # the first prompt token has no logprob
 
     @property
     def prefix_keys(self) -> tuple | None:
@@ -129,13 +122,6 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-
-    def drop_last_tokens(self, n: int) -> None:
-        """Forget the last ``n`` output tokens (accepted proposals past a stop string, in the
-        step that ends the request)."""
-        if n > 0:
-            assert n <= self.num_output_tokens
-            del self.token_ids[-n:]
 
     def check_stop(self) -> RequestStatus | None:
         """Token-level stop conditions after a new token was appended (stop strings are checked

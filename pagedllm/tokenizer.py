@@ -44,6 +44,14 @@ def decoder(tokenizer: PreTrainedTokenizerBase) -> Decode:
 
 
 def _rust_decode(tok: PreTrainedTokenizerBase) -> Decode | None:
+    rust = _rust_tokenizer(tok)
+    if rust is None:
+        return None
+    return lambda ids, skip: str(rust.decode(ids, skip_special_tokens=skip))
+
+
+def _rust_tokenizer(tok: PreTrainedTokenizerBase) -> Any:
+    """The Rust tokenizer whose ``decode`` is exactly ``tok.decode``, or None."""
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # transformers 4: its own decode path
@@ -52,8 +60,7 @@ def _rust_decode(tok: PreTrainedTokenizerBase) -> Decode | None:
     if (not isinstance(tok, TokenizersBackend) or cls.decode is not PreTrainedTokenizerBase.decode
             or cls._decode is not TokenizersBackend._decode or tok.clean_up_tokenization_spaces):
         return None
-    rust: Any = tok._tokenizer
-    return lambda ids, skip: str(rust.decode(ids, skip_special_tokens=skip))
+    return tok._tokenizer
 
 
 class IncrementalDetokenizer:
@@ -63,6 +70,11 @@ class IncrementalDetokenizer:
     ``ids[prefix_offset:]`` and emitting only what extends ``ids[prefix_offset:read_offset]``
     keeps multi-byte characters whole: text ending in U+FFFD (an incomplete UTF-8 sequence) is
     held back until the next token completes it.
+
+    Where the tokenizer is a ``tokenizers`` one decoded by its Rust ``decode`` (``decoder``),
+    the library's ``DecodeStream`` does the same per token in Rust (the same text; ~4x faster
+    per token on the default model's tokenizer, ``tests/test_detokenizer.py``), primed with the
+    same prompt context; a stream that fails falls back to the window for the rest.
 
     Stop strings are found here, since only text can match them; the output is trimmed at the
     stop string (kept when ``include_stop_str_in_output``).
@@ -87,13 +99,42 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stopped_by: str | None = None
         self._held: tuple[int, int] = (0, 0)  # (len(text), holdback) when last computed
+        self._rust = _rust_tokenizer(tokenizer)
+        self._stream: Any = None
+        if self._rust is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            self._stream_step(self.ids)  # the prompt's context; its text is not output
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_fn(ids, self.skip_special)
 
+    def _stream_step(self, ids: list[int]) -> str | None:
+        """The stream's text for ``ids``; None if it failed (the window takes over)."""
+        out = []
+        try:
+            for t in ids:
+                chunk = self._stream.step(self._rust, t)
+                if chunk is not None:
+                    out.append(chunk)
+        except Exception:  # noqa: BLE001 - e.g. an id the tokenizer does not know
+            self._stream = None
+            return None
+        return "".join(out)
+
     def add_tokens(self, new_ids: list[int]) -> str:
         """Append tokens; return the newly readable text (may be "")."""
-        self.ids.extend(new_ids)
+        if self._stream is not None:
+            delta = self._stream_step(new_ids)
+            self.ids.extend(new_ids)
+            if delta is not None:
+                return self._emit(delta)
+            # the window restarts after what the stream had read
+            self.read_offset = len(self.ids) - len(new_ids)
+            self.prefix_offset = max(0, self.read_offset - 6)
+        else:
+            self.ids.extend(new_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
@@ -101,6 +142,11 @@ class IncrementalDetokenizer:
         delta = full_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
+        return self._emit(delta)
+
+    def _emit(self, delta: str) -> str:
+        if not delta:
+            return ""
         before = len(self.text)
         self.text += delta
         if self.stop:

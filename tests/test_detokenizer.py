@@ -84,3 +84,29 @@ def test_fast_decoder_equals_the_tokenizers_decode(byte_tokenizer) -> None:  # t
             ids = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 8))]
             for skip in (True, False):
                 assert fn(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_decode_stream_gives_the_windows_text(byte_tokenizer, tiny_models) -> None:  # type: ignore[no-untyped-def]
+    """Where the tokenizer allows it, the detokenizer steps the library's DecodeStream; its text,
+    piece by piece, is the window's (the path kept for the other tokenizers), after a prompt
+    context, with multi-byte characters split over tokens, special tokens skipped or not."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    default = AutoTokenizer.from_pretrained(Path(__file__).parents[1] / "pagedllm/assets/default_model")
+    words = AutoTokenizer.from_pretrained(tiny_models["llama"])
+    text = "héllo wörld ✓ 日本語 def foo(): return 🎉 The quick brown fox."
+    rng = random.Random(1)
+    for tok in (byte_tokenizer, default, words):
+        ids = tok.encode(text) if tok is not words else [rng.randrange(5, 60) for _ in range(40)]
+        for skip in (True, False):
+            for prompt in ([], ids[:5]):
+                gen = ids[len(prompt):] + ([tok.eos_token_id] if tok.eos_token_id is not None else [])
+                stream = IncrementalDetokenizer(tok, prompt, [], skip_special_tokens=skip)
+                window = IncrementalDetokenizer(tok, prompt, [], skip_special_tokens=skip)
+                assert stream._stream is not None
+                window._stream = None
+                pieces = [(stream.add_tokens([t]), window.add_tokens([t])) for t in gen]
+                assert stream.text == window.text, (tok, skip, prompt)
+                assert "".join(p for p, _ in pieces) == stream.text

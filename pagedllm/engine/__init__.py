@@ -1,12 +1,15 @@
 """The engine, split by job::
 
-    core.py     LLMEngine: add / abort requests, step() = schedule -> execute -> update -> outputs
-    input.py    prompts -> token ids (tokenize, validate), the n fan-out of a request
-    output.py   detokenization, stop strings, logprobs, RequestOutputs (cumulative, delta, final)
-    beam.py     beam search as a kind of request, advanced inside step()
+    core.py         LLMEngine, the synchronous front end: input -> EngineCore -> OutputProcessor
+    engine_core.py  EngineCore: token ids in and out; step() = schedule -> execute -> update ->
+                    EngineCoreOutputs; one way a sequence ends (core_outputs.py builds them)
+    input.py        prompts -> token ids (tokenize, validate), the n fan-out of a request
+    output.py       the front end's detokenization, stop strings (an abort to the core), logprobs,
+                    RequestOutputs (cumulative, delta, final)
+    beam.py         beam search as a kind of request, advanced inside the core's step()
 
     messages.py     EngineCoreRequest / EngineCoreOutputs: plain data (msgspec) to and from the core
-    core_proc.py    EngineCore (LLMEngine behind messages), the busy loop, the core process
+    core_proc.py    CoreService (EngineCore behind messages), the busy loop, the core process
     client.py       EngineClient: the one async interface of the server (client_inproc.py: the
                     core in a thread; client_mp.py: in its own process over ZMQ)
     snapshot.py     the /kv inspector's snapshot, a named call run on the core

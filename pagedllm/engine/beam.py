@@ -22,12 +22,10 @@ place in line (``Scheduler.fork_request``), so requests that arrive later cannot
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from transformers import PreTrainedTokenizerBase
-
-from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.engine.messages import BeamSequence
 from pagedllm.request import Request, RequestStatus
 from pagedllm.runner.model_runner import SampledToken
 from pagedllm.sampling_params import SamplingParams
@@ -59,13 +57,14 @@ class _Search:
 
 
 class BeamSearch:
-    """The engine's beam searches; the scheduler holds their beams like any sequence."""
+    """The engine's beam searches; the scheduler holds their beams like any sequence, and
+    ``finish`` (the core's one way to end a sequence) ends them."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer: PreTrainedTokenizerBase,
+    def __init__(self, scheduler: Scheduler, finish: Callable[[str, RequestStatus], object],
                  max_model_len: int) -> None:
         self.scheduler = scheduler
+        self.finish = finish
         self.max_model_len = max_model_len
-        self.tokenizer = tokenizer
         self.searches: dict[str, _Search] = {}
         self._owner: dict[str, _Search] = {}  # beam id -> its search
 
@@ -92,7 +91,7 @@ class BeamSearch:
             return []
         ids = [r.request_id for r, _ in s.beams]
         for rid in ids:
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            self.finish(rid, RequestStatus.FINISHED_ABORTED)
             self._owner.pop(rid, None)
         return ids
 
@@ -114,19 +113,19 @@ class BeamSearch:
                 s.scored[rid] = t.topk
         return tokens
 
-    def select(self) -> tuple[list[RequestOutput], list[str]]:
-        """Advance every search whose beams are all scored. Returns the outputs of the searches
-        that finished and the ids of the beams that ended."""
-        outputs: list[RequestOutput] = []
-        ended: list[str] = []
+    def select(self) -> list[tuple[str, list[BeamSequence]]]:
+        """Advance every search whose beams are all scored. Returns the searches that finished,
+        each with its sequences best first."""
+        outputs = []
         for s in list(self.searches.values()):
             if len(s.scored) == len(s.beams):
-                ended += self._select(s)
+                self._select(s)
                 if s.request_id not in self.searches:
-                    outputs.append(self._output(s))
-        return outputs, ended
+                    outputs.append((s.request_id, [BeamSequence(r.output_token_ids, score)
+                                                   for r, score in s.beams]))
+        return outputs
 
-    def _select(self, s: _Search) -> list[str]:
+    def _select(self, s: _Search) -> None:
         cands = []
         for b, (req, score) in enumerate(s.beams):
             for rank, (tid, lp) in enumerate(s.scored.pop(req.request_id)):
@@ -149,21 +148,12 @@ class BeamSearch:
             new.append((req, kids[0][1]))
         ended = [r.request_id for b, (r, _) in enumerate(s.beams) if b not in children]
         for rid in ended:  # parents without surviving children
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            self.finish(rid, RequestStatus.FINISHED_ABORTED)
             self._owner.pop(rid, None)
         new.sort(key=lambda rs: -rs[1])
         s.beams = new
         if new[0][0].num_output_tokens >= s.max_tokens:
             del self.searches[s.request_id]
             for req, _ in new:  # keep the Request objects (for token ids); release their blocks
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+                self.finish(req.request_id, RequestStatus.FINISHED_LENGTH)
                 self._owner.pop(req.request_id, None)
-                ended.append(req.request_id)
-        return ended
-
-    def _output(self, s: _Search) -> RequestOutput:
-        outs = [CompletionOutput(i, str(self.tokenizer.decode(r.output_token_ids)),
-                                 r.output_token_ids, score, None, RequestStatus.FINISHED_LENGTH.value)
-                for i, (r, score) in enumerate(s.beams)]
-        return RequestOutput(s.request_id, None, s.prompt, None, outs, True,
-                             RequestMetrics(arrival_time=s.arrival))

@@ -39,7 +39,6 @@ from pagedllm.engine.messages import (
     Abort,
     Accepted,
     CoreDead,
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FromCore,
@@ -49,9 +48,10 @@ from pagedllm.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
+from pagedllm.engine.output import OutputProcessor
 from pagedllm.generation_config import GenerationDefaults, load_generation_defaults
 from pagedllm.logging_utils import init_logger
-from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched.stats import StepStats
 from pagedllm.structured.grammar import GrammarCompiler
@@ -95,6 +95,8 @@ class FrontEnd:
                             config.model.eos_token_ids + self.generation_defaults.eos_token_ids)
         self.compiler = compiler or GrammarCompiler(self.tokenizer, config.model.vocab_size, eos)
         self.input = InputProcessor(config, self.tokenizer, eos)
+        # detokenization runs on the event loop; the tokenizer above belongs to its thread
+        self.output = OutputProcessor(get_tokenizer(config.tokenizer))
 
 
 # A prompt, or a function run on the front end's tokenizer thread that makes one.
@@ -140,7 +142,7 @@ class EngineClient:
         self.dead: str | None = None  # why the core died
         self.num_aborted = 0  # requests aborted while live (client disconnects, shutdown)
         self._streams: dict[str, OutputStream] = {}
-        self._prompts: dict[str, list[int]] = {}
+        self.output = frontend.output  # detokenization and stop strings, here not in the core
         self._accepts: dict[str, asyncio.Future[None]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count(1)
@@ -180,7 +182,7 @@ class EngineClient:
         accepted: asyncio.Future[None] = self._loop.create_future()
         self._accepts[request_id] = accepted
         self._streams[request_id] = stream
-        self._prompts[request_id] = ids
+        self.output.add(request_id, None, ids, params, arrival)
         self._send(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
                                      sampling_params=params, arrival_time=arrival,
                                      priority=priority))
@@ -240,7 +242,7 @@ class EngineClient:
             self._send(Abort(ids))
 
     def _forget(self, request_id: str) -> OutputStream | None:
-        self._prompts.pop(request_id, None)
+        self.output.remove(request_id)
         fut = self._accepts.pop(request_id, None)
         if fut is not None and not fut.done():
             fut.cancel()
@@ -295,32 +297,27 @@ class EngineClient:
             pass
 
     def _on_outputs(self, msg: EngineCoreOutputs) -> None:
+        for out in msg.outputs:  # requests the core ended without a result
+            if out.error is not None:
+                stream = self._forget(out.request_id)
+                if stream is not None:
+                    kind = ServerShuttingDown if out.error == "shutdown" else EngineError
+                    stream.queue.put_nowait(_Failed(out.request_id, kind(out.error_detail)))
+        done = self.output.process(msg)  # adds the request events to msg.stats
+        if done.aborts and self.dead is None:  # stop strings found here: the core forgets them
+            self._send(Abort(done.aborts))
+        for ro in done.outputs:
+            stream = self._streams.get(ro.request_id)
+            if stream is None:
+                continue  # aborted here meanwhile
+            if ro.finished:
+                self._forget(ro.request_id)
+            stream.queue.put_nowait(ro)
         if msg.stats is not None:
             self.stats = msg.stats
             if msg.step:
                 for listener in self.stats_listeners:
                     listener(msg.stats)
-        for out in msg.outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue  # aborted here meanwhile
-            item: RequestOutput | _Failed
-            if out.error is not None:
-                kind = ServerShuttingDown if out.error == "shutdown" else EngineError
-                item = _Failed(out.request_id, kind(out.error_detail))
-            else:
-                item = self._request_output(out)
-            if out.finished:
-                self._forget(out.request_id)
-            stream.queue.put_nowait(item)
-
-    def _request_output(self, out: EngineCoreOutput) -> RequestOutput:
-        outs = [CompletionOutput(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs,
-                                 c.finish_reason, c.stop_reason) for c in out.outputs]
-        metrics = RequestMetrics(out.arrival_time, out.first_token_time, out.finished_time,
-                                 out.num_preemptions, out.num_cached_tokens)
-        return RequestOutput(out.request_id, None, self._prompts[out.request_id],
-                             out.prompt_logprobs, outs, out.finished, metrics)
 
     def _on_dead(self, reason: str) -> None:
         if self.dead is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.engine.client import EngineClient, FrontEnd, ServerShuttingDown
-from pagedllm.engine.core_proc import CoreLoop, EngineCore, QueueTransport
+from pagedllm.engine.core_proc import CoreLoop, CoreService, QueueTransport
 from pagedllm.engine.messages import FromCore, Shutdown, ToCore
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class InProcessClient(EngineClient):
             return
         self._loop = asyncio.get_running_loop()
         self._transport = _TestableQueue(self._deliver, self.engine)
-        self._core_loop = CoreLoop(EngineCore(self.engine), self._transport, self.batch_wait_s)
+        self._core_loop = CoreLoop(CoreService(self.engine.core), self._transport, self.batch_wait_s)
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
 

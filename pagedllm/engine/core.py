@@ -1,41 +1,38 @@
-"""LLMEngine: requests in, ``step()`` = schedule -> execute -> update -> outputs.
-
-Built in one order on every device: the executor loads the weights (and, on a GPU without an
-explicit KV size, profiles memory) -> the KV pool is planned from the budget -> KV manager and
-scheduler -> the executor allocates the KV cache.
+"""LLMEngine: the synchronous front end. Prompts in, ``RequestOutput``s out: input processing
+(tokenize, check) -> ``EngineCore`` (in this process, driven by the same messages as the engine-core
+process) -> ``OutputProcessor`` (detokenize, stop strings, output kinds). ``step()`` = the core's
+step, then its outputs made into ``RequestOutput``s; a stop string found there is sent back to the
+core as an abort, before the next step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from pagedllm.args import EngineArgs
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam import MAX_BEAM_WIDTH, BeamSearch
-from pagedllm.engine.input import InputProcessor, PromptType, load_prompts
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.input import PromptType, load_prompts
+from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.engine.output import OutputProcessor
-from pagedllm.executor import Executor, make_executor
-from pagedllm.generation_config import load_generation_defaults
+from pagedllm.executor import Executor
+from pagedllm.generation_config import GenerationDefaults
 from pagedllm.kv.manager import KVCacheManager
-from pagedllm.kv.plan import plan_kv_pool
+from pagedllm.kv.plan import KVPoolPlan
 from pagedllm.kv.publisher import ZmqEventPublisher
 from pagedllm.logging_utils import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
-from pagedllm.request import RequestStatus
-from pagedllm.runner.model_runner import ModelRunner, RunnerOutput
+from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.sched import Scheduler, SchedulerOutput
-from pagedllm.sched.build import build_scheduler
+from pagedllm.sched import Scheduler
 from pagedllm.sched.memory import KVMemoryPolicy
 from pagedllm.sched.stats import StepStats
-from pagedllm.spec_decode.decoder import SpecDecoder, build_spec_decoder
+from pagedllm.spec_decode.decoder import SpecDecoder
 from pagedllm.structured.manager import StructuredOutputManager
-from pagedllm.tokenizer import eos_token_ids, get_tokenizer
 
 logger = init_logger(__name__)
 
@@ -44,45 +41,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, scheduler_cls: type[Scheduler] = Scheduler) -> None:
         """``scheduler_cls`` swaps the batching policy (the benchmarks' contiguous baseline)."""
         self.config = config
-        self.tokenizer = get_tokenizer(config.tokenizer)
-        self.generation_defaults = load_generation_defaults(config.model.model,
-                                                            config.generation_config)
-        self.eos_token_ids = eos_token_ids(
-            self.tokenizer, config.model.eos_token_ids + self.generation_defaults.eos_token_ids)
-        executor = make_executor(config)  # rank 0 here; with TP, the other ranks started
-        self.kv_plan = p = plan_kv_pool(config.model, config.cache, config.scheduler,
-                                        _profiled_budget(config, executor))
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s, %d bytes/token); %s",
-            p.num_blocks, p.block_size, p.num_tokens, p.nbytes / 2**20,
-            config.cache.kv_dtype_label(config.model), p.bytes_per_block // p.block_size,
-            p.fit_summary(),
-        )
-        self.scheduler = build_scheduler(config, p, scheduler_cls)  # as the planner's replay
-        self.kv: KVCacheManager = self.scheduler.kv
-        self.memory: KVMemoryPolicy = self.scheduler.memory
-        start = self.kv.num_blocks
-        self._closing = contextlib.ExitStack()  # what shutdown() closes besides the executor
-        if config.cache.kv_trace_path is not None:
-            from pagedllm.kv.trace import KVTracer, attach
-
-            sched = self.scheduler
-            tracer = KVTracer(config.cache.kv_trace_path, clock=lambda: sched.num_steps)
-            attach(self.kv, tracer)
-            self._closing.callback(tracer.close)
-        self.kv_publisher = None  # --kv-events-endpoint: the step batches over ZMQ
-        if config.cache.kv_events_endpoint is not None:
-            self.kv_publisher = ZmqEventPublisher(self.kv.events, config.cache.kv_events_endpoint)
-            self._closing.callback(self.kv_publisher.close)
-        executor.init_kv_cache(start)
-        self.executor: Executor = executor
-        self.input = InputProcessor(config, self.tokenizer, self.eos_token_ids)
+        self.core = EngineCore(config, scheduler_cls)
+        self.tokenizer = self.core.tokenizer  # one process: the front end shares the core's
+        self.input = self.core.input
         self.output = OutputProcessor(self.tokenizer)
-        self.structured = StructuredOutputManager(self.tokenizer, config.model.vocab_size,
-                                                  self.eos_token_ids)
-        self.beams = BeamSearch(self.scheduler, self.tokenizer, config.scheduler.max_model_len)
-        self.spec: SpecDecoder | None = build_spec_decoder(config, self.tokenizer, p.num_blocks)
-        self.stats = self.current_stats()  # the last step's record (StepStats)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs,
@@ -99,6 +61,62 @@ class LLMEngine:
         return cls.from_engine_args(EngineArgs.from_kwargs(kwargs, "LLMEngine.from_args"),
                                     scheduler_cls)
 
+    # -- the core's parts (introspection, tests and benchmarks) -----------------------------------
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.core.kv
+
+    @property
+    def memory(self) -> KVMemoryPolicy:
+        return self.core.memory
+
+    @property
+    def executor(self) -> Executor:
+        return self.core.executor
+
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's ModelRunner (introspection: its KV tensors change only through a step)."""
+        return self.core.executor.driver
+
+    @property
+    def structured(self) -> StructuredOutputManager:
+        return self.core.structured
+
+    @property
+    def spec(self) -> SpecDecoder | None:
+        return self.core.spec
+
+    @property
+    def beams(self) -> BeamSearch:
+        return self.core.beams
+
+    @property
+    def stats(self) -> StepStats:
+        """The last step's record (with the front end's request events), or a snapshot after
+        a change outside a step."""
+        return self.core.stats
+
+    @property
+    def kv_plan(self) -> KVPoolPlan:
+        return self.core.kv_plan
+
+    @property
+    def kv_publisher(self) -> ZmqEventPublisher | None:
+        return self.core.kv_publisher
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.core.eos_token_ids
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        return self.core.generation_defaults
+
     # -- requests -----------------------------------------------------------------------------
     def add_request(
         self,
@@ -111,35 +129,19 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request (with ``lora_request``: run by that adapter, loaded and
         checked now). Raises ValueError without changing any state."""
-        params = params or SamplingParams()
+        params = (params or SamplingParams()).clone()  # later edits by the caller change nothing
         self._check_new_id(request_id)
         text, ids = self.input.tokenize(prompt)
-        self.scheduler.check_fits(len(ids))
-        self.input.check_params(params, len(ids))
-        self.structured.check(params)
-        if lora_request is not None:
-            self.add_lora(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        children = self.input.fan_out(request_id, ids, params, priority, arrival, lora_request)
-        self.output.add(request_id, text, ids, children, arrival)
-        try:  # n > 1: children fork the first child's prompt blocks (copy-on-write)
-            self.structured.add(children)
-            self.scheduler.add_request(children[0], forks=children[1:])
-        except Exception:
-            self.structured.release([c.request_id for c in children])
-            self.output.remove(request_id)
-            raise
+        self.core.add_request(EngineCoreRequest(
+            request_id=request_id, prompt_token_ids=ids, sampling_params=params,
+            arrival_time=arrival, priority=priority), lora_request)
+        self.output.add(request_id, text, ids, params, arrival)
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check an adapter (every rank); ValueError (``LoRAError``) naming it and the
         reason, or that LoRA is off. The engine is unchanged by a failure."""
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a pagedllm.LoRARequest, not "
-                             f"{type(lora_request).__name__}")
-        if self.config.lora is None:
-            raise ValueError(f"lora_request {lora_request.lora_name!r} needs an engine started "
-                             "with enable_lora=True (--enable-lora)")
-        self.executor.collective_rpc(ModelRunner.add_lora, lora_request)
+        self.core.add_lora(lora_request)
 
     def add_beam_search(self, request_id: str, prompt: PromptType, beam_width: int,
                         max_tokens: int, arrival_time: float | None = None) -> None:
@@ -155,145 +157,55 @@ class LLMEngine:
         if len(ids) + max_tokens > max_len:
             raise ValueError(f"a prompt of {len(ids)} tokens + max_tokens={max_tokens} exceeds "
                              f"max_model_len={max_len}")
-        self.scheduler.check_fits(len(ids))
+        self.core.scheduler.check_fits(len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self.beams.add(request_id, ids, beam_width, max_tokens, arrival)
+        self.core.beams.add(request_id, ids, beam_width, max_tokens, arrival)
+        self.output.add_beam_search(request_id, ids, arrival)
 
     def _check_new_id(self, request_id: str) -> None:
-        if request_id in self.output.groups or request_id in self.beams.searches:
+        if request_id in self.output.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request; its blocks return to the pool. Returns False if it is unknown."""
-        ids = self.output.remove(request_id)
-        for rid in ids:
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-        ids += self.beams.abort(request_id)
-        if not ids:
+        if not self.output.remove(request_id):
             return False
-        self._release(ids)
-        self.stats = self.current_stats()  # the state changed outside a step
+        self.core.abort_requests([request_id])
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output.groups) or bool(self.beams.searches)
-
-    @property
-    def runner(self) -> ModelRunner:
-        """Rank 0's ModelRunner (introspection: its KV tensors change only through a step)."""
-        return self.executor.driver
+        return bool(self.output.groups)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.output) + len(self.beams)
+        return len(self.output)
 
     def request_ids(self) -> list[str]:
         """The unfinished requests, generate and beam search."""
-        return [*self.output.groups, *self.beams.searches]
+        return list(self.output.groups)
 
     # -- the hot loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        if self.spec is not None:  # speculative decoding: proposals for this step's decodes
-            self.spec.propose(self.scheduler.running, self.output.owns, self.scheduler.num_steps + 1)
-        sched = self.scheduler.schedule()
-        stats = StepStats.open(self.scheduler, sched)
-        sched.token_masks = self.structured.masks(sched)  # computed while the model runs
-        try:
-            result = self.executor.execute(sched)
-        except Exception as e:  # noqa: BLE001 - a bad request fails alone, else re-raised
-            outputs = self._fail_culprits(sched, e, stats)
-        else:
-            accepted = {rid: len(toks) for rid, toks in result.accepted.items()}
-            self.scheduler.update(sched, self.beams.take(sched, result.sampled), accepted)
-            if self.spec is not None:
-                stats.spec = self.spec.record(sched, accepted, self.scheduler.num_steps)
-            for rid in self.structured.advance(sched):  # a complete grammar ends its request
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-            outputs = self._process_outputs(sched, result, stats)
-        upkeep = self.scheduler.end_step()  # compaction, or shrinking an idle pool: KV only
-        if upkeep is not None:
-            self.executor.execute(upkeep)
-        self.stats = self._close(stats, time.perf_counter() - t0)
-        return outputs
-
-    def _close(self, stats: StepStats, step_time_s: float) -> StepStats:
-        stats.close(self.scheduler, step_time_s)
-        if self.spec is not None:
-            stats.spec_total = replace(self.spec.total)
-        return stats
-
-    def _release(self, request_ids: list[str]) -> None:
-        """Forget finished sequences' per-request state (sampling, grammars, proposers)."""
-        self.executor.release(request_ids)
-        self.structured.release(request_ids)
-        if self.spec is not None:
-            self.spec.release(request_ids)
-
-    def _process_outputs(self, sched: SchedulerOutput, result: RunnerOutput,
-                         stats: StepStats) -> list[RequestOutput]:
-        stats.prepare_time_s = result.prepare_s
-        if sched.token_masks is not None:
-            m = sched.token_masks
-            stats.num_structured_rows = len(m.rows)
-            stats.grammar_mask_time_s, stats.grammar_wait_time_s = m.compute_s, m.wait_s
-        done = self.output.process(sched.scheduled, result.sampled, result.prompt_logprobs, stats,
-                                   result.accepted)
-        for rid in done.stopped:
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-        beam_outputs, beams_ended = self.beams.select()
-        if done.finished or beams_ended:
-            self._release(done.finished + beams_ended)
-        return done.outputs + beam_outputs if beam_outputs else done.outputs
-
-    def _fail_culprits(self, sched: SchedulerOutput, error: Exception,
-                       stats: StepStats) -> list[RequestOutput]:
-        """The executor failed a step. The requests in it that no longer pass admission's checks
-        fail alone: finish_reason "error", blocks freed, the error logged with their ids. The
-        others run the same step again next time: ``update`` never ran, so nothing of the failed
-        step was recorded, and rerunning it writes the same K/V into the same slots (the step's
-        KV changes are applied before the forward and sampling, where a request's bad data
-        fails, and are not planned again). A failure that no request explains, or a fatal one
-        (a lost tensor-parallel rank), is the engine's own: raised."""
-        if getattr(error, "fatal", False):
-            raise error
-        culprits = {s.request.request_id: why for s in sched.scheduled
-                    if (why := self.input.check_request(s.request)) is not None}
-        groups = {self.output.group_of(rid) for rid in culprits}
-        if not culprits or None in groups:  # none, or a beam (whose input the engine made)
-            raise error
-        outputs = []
-        for gid in sorted(g for g in groups if g is not None):
-            logger.error("request %s failed inside a step and is ended with finish_reason "
-                         "'error' (%s); the other requests continue",
-                         gid, "; ".join(str(w) for r, w in culprits.items()
-                                        if self.output.group_of(r) == gid), exc_info=error)
-            seqs = self.output.seq_ids(gid)
-            for rid in seqs:
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
-            out = self.output.finish(gid, stats)
-            if out is not None:
-                outputs.append(out)
-            self._release(seqs)
-        return outputs
+        outs = self.core.step()
+        processed = self.output.process(outs)
+        if processed.aborts:  # stop strings: the core forgets them before its next step
+            self.core.abort_requests(processed.aborts, outs.stats)
+        return processed.outputs
 
     # -- introspection ----------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (nothing to do in one process). Garbage collection and
         interpreter exit do it too; the engine is unusable afterwards."""
-        self._closing.close()
-        self.structured.shutdown()
-        self.executor.shutdown()
+        self.core.shutdown()
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity()
-        if self.spec is not None:
-            self.spec.check_integrity()  # a draft model's own KV pool
-        for rid in self.scheduler.requests:
-            assert self.output.owns(rid) or self.beams.owns(rid), f"scheduler request {rid} has no owner"
+        self.core.check_integrity()
+        # (the core may also hold requests of another front end: a client driving it)
+        lost = set(self.output.groups) - set(self.core.request_ids())
+        assert not lost, f"requests live in the front end but not in the core: {sorted(lost)}"
 
     @property
     def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
+        return self.core.scheduler.num_preemptions
 
     # -- KV memory management ---------------------------------------------------------------------
     def preheat(self, prompts: Sequence[PromptType] | str) -> int:
@@ -320,79 +232,22 @@ class LLMEngine:
 
     def defragment(self) -> int:
         """Compact now: live blocks move to the lowest ids. Returns the number of blocks moved."""
-        out = self.memory.defragment()
-        self.executor.execute(out)
-        return len(out.kv.compaction)
+        return self.core.defragment()
 
     def prefix_cache_stats(self) -> dict[str, float]:
         """Prompt tokens looked up at admission (``queries``), found cached (``hits``)."""
-        s = self.current_stats()
-        return {"queries": s.prefix_cache_queries, "hits": s.prefix_cache_hits,
-                "hit_rate": s.prefix_cache_hit_rate}
+        return self.core.prefix_cache_stats()
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config defaults (``--generation-config``)."""
-        return SamplingParams(**self.generation_defaults.sampling)
+        return SamplingParams(**self.core.generation_defaults.sampling)
 
     def current_stats(self) -> StepStats:
         """A record of the engine as it is now, outside any step (``self.stats`` is the last
         step's)."""
-        return self._close(StepStats.open(self.scheduler, SchedulerOutput()), 0.0)
+        return self.core.current_stats()
 
     def kv_stats(self) -> dict[str, Any]:
         """KV memory now: blocks by state, utilization, prefix cache, preemptions, swaps."""
-        s = self.current_stats()
-        c = self.config.cache
-        return {
-            "num_blocks": s.kv.total,
-            "used_blocks": s.kv.used,
-            "cached_blocks": s.kv.cached,
-            "free_blocks": s.kv.free,
-            "shared_blocks": s.kv.shared,
-            "pinned_blocks": s.kv.pinned,
-            "max_blocks_per_request": s.max_blocks_per_request,
-            "sliding_window": self.kv.sliding_window,  # None: every block is kept
-            "window_freed_blocks": s.window_freed_blocks,
-            "kv_utilization": s.kv_utilization,
-            "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits,
-            "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
-            "num_preemptions": s.num_preemptions,
-            "preemptions_by_kind": s.preemptions_by_kind,
-            "swapped_out_blocks": s.swapped_out_blocks,
-            "swapped_in_blocks": s.swapped_in_blocks,
-            "num_swapped": s.num_swapped,
-            "kv_bytes_per_token": c.kv_bytes_per_token(self.config.model),
-            "k_cache_dtype": c.k_cache_dtype,
-            "v_cache_dtype": c.v_cache_dtype,
-            "spec_decode_num_drafts": s.spec_total.num_drafts,
-            "spec_decode_num_draft_tokens": s.spec_total.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": s.spec_total.num_accepted_tokens,
-            "spec_decode_acceptance_rate": s.spec_total.acceptance_rate,
-            "spec_decode_mean_accepted_length": s.spec_total.mean_accepted_length,
-        }
+        return self.core.kv_stats()
 
-
-def _profiled_budget(config: EngineConfig, executor: Executor) -> int | None:
-    """KV bytes a CUDA memory profile leaves (``config.kv_sized_by_profile``), else None."""
-    if not config.kv_sized_by_profile:
-        return None
-    from pagedllm.runner.memory import kv_budget
-
-    prof = executor.memory_profile
-    assert prof is not None
-    measured = kv_budget(prof, config.gpu_memory_utilization)
-    if config.cache.initial_num_kv_blocks is not None:
-        # growing reallocates: the old and the new pool are briefly both on the GPU
-        measured //= 2
-        logger.info("elastic KV pool on a profiled GPU budget: it grows to half the budget "
-                    "(a growth holds the old and the new pool at once)")
-    logger.info(
-        "GPU memory: %.2f GiB free at start; weights %.2f GiB, activation peak %.2f GiB, "
-        "non-torch %.2f GiB, CUDA graphs %.2f GiB -> KV budget %.2f GiB "
-        "(gpu_memory_utilization=%.2f)",
-        prof.free_at_start / 2**30, prof.weights / 2**30, prof.activation_peak / 2**30,
-        prof.non_torch / 2**30, prof.graph_pool / 2**30, measured / 2**30,
-        config.gpu_memory_utilization,
-    )
-    return measured

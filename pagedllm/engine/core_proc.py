@@ -7,8 +7,8 @@ process for ``pagedllm serve``).
         ▲                                 ▲                                              │
         └──────── FromCore messages ──────┴──────────── EngineCoreOutputs ◀──────────────┘
 
-``EngineCore`` turns messages into ``LLMEngine`` calls and ``RequestOutput``s into
-``EngineCoreOutput``s; ``CoreLoop`` is the loop over a ``Transport`` (a queue pair in one
+``CoreService`` turns messages into ``EngineCore`` calls (token ids in, token ids out: the front
+end detokenizes); ``CoreLoop`` is the loop over a ``Transport`` (a queue pair in one
 process, two ZMQ PUSH/PULL sockets between processes; ``run_core_process`` is the process's
 entry point). Only the loop's thread touches the engine. Tensor-parallel workers are started by
 the engine's executor, so they are children of the core.
@@ -35,7 +35,6 @@ from pagedllm.engine.heap import freeze_startup_heap
 from pagedllm.engine.messages import (
     Abort,
     Accepted,
-    CompletionDelta,
     CoreDead,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -49,68 +48,61 @@ from pagedllm.engine.messages import (
 )
 from pagedllm.engine.snapshot import kv_snapshot
 from pagedllm.logging_utils import init_logger
-from pagedllm.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from pagedllm.args import EngineArgs
-    from pagedllm.engine.core import LLMEngine
+    from pagedllm.engine.engine_core import EngineCore
 
 logger = init_logger(__name__)
 
 PARENT_CHECK_S = 1.0  # an idle core looks this often whether its front end still exists
 
 
-def _integrity(engine: LLMEngine) -> list[int]:
+def _integrity(core: EngineCore) -> list[int]:
     """Checks the KV invariants (raises if broken); [free blocks, total blocks]."""
-    engine.check_integrity()
-    return [engine.kv.num_free_blocks, engine.kv.num_blocks]
+    core.check_integrity()
+    return [core.kv.num_free_blocks, core.kv.num_blocks]
 
 
-# The named calls a front end may make (no closures cross the boundary). Each takes the engine
+# The named calls a front end may make (no closures cross the boundary). Each takes the core
 # and plain-data arguments and returns plain data.
 UTILITIES: dict[str, Callable[..., Any]] = {
-    "kv_stats": lambda e: e.kv_stats(),
+    "kv_stats": lambda c: c.kv_stats(),
     "kv_snapshot": kv_snapshot,
-    "prefix_cache_stats": lambda e: e.prefix_cache_stats(),
-    "defragment": lambda e: e.defragment(),
-    "num_unfinished_requests": lambda e: e.get_num_unfinished_requests(),
+    "prefix_cache_stats": lambda c: c.prefix_cache_stats(),
+    "defragment": lambda c: c.defragment(),
+    "num_unfinished_requests": lambda c: len(c.request_ids()),
     "check_integrity": _integrity,
 }
 
 
-class EngineCore:
-    """An ``LLMEngine`` driven by messages. Not thread-safe: one loop owns it."""
+class CoreService:
+    """An ``EngineCore`` driven by messages. Not thread-safe: one loop owns it."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.live: set[str] = set()  # accepted requests the core has not ended yet
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
 
     def has_work(self) -> bool:
-        return self.engine.has_unfinished_requests()
+        return self.core.has_unfinished_requests()
 
     def add(self, req: EngineCoreRequest) -> Accepted | Rejected:
         if req.lora_id is not None or req.kv_transfer_params is not None:
             return Rejected(req.request_id, "lora_id and kv_transfer_params are not supported yet")
         try:
-            self.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids},
-                                    req.sampling_params, priority=req.priority,
-                                    arrival_time=req.arrival_time)
+            self.core.add_request(req)
         except ValueError as e:
             return Rejected(req.request_id, str(e))
         except Exception as e:  # noqa: BLE001 - the request fails, the core keeps serving
             logger.exception("add_request %s failed", req.request_id)
             return Rejected(req.request_id, f"{type(e).__name__}: {e}", internal=True)
-        self.live.add(req.request_id)
         return Accepted(req.request_id)
 
     def abort(self, request_ids: list[str]) -> EngineCoreOutputs | None:
-        """Abort (idempotent); a stats snapshot if anything was aborted."""
-        changed = False
-        for rid in request_ids:
-            if rid in self.live:
-                self.live.discard(rid)
-                changed |= self.engine.abort_request(rid)
-        return EngineCoreOutputs(stats=self.engine.stats, step=False) if changed else None
+        """Abort requests or single sequences (idempotent); a stats snapshot if anything was
+        aborted."""
+        if not self.core.abort_requests(request_ids):
+            return None
+        return EngineCoreOutputs(stats=self.core.stats, step=False)
 
     def utility(self, call: UtilityCall) -> UtilityResult:
         fn = UTILITIES.get(call.name)
@@ -118,7 +110,7 @@ class EngineCore:
             return UtilityResult(call.call_id, error=f"unknown utility call {call.name!r}; "
                                  f"choose one of {', '.join(UTILITIES)}", error_type="ValueError")
         try:
-            return UtilityResult(call.call_id, result=fn(self.engine, *call.args))
+            return UtilityResult(call.call_id, result=fn(self.core, *call.args))
         except Exception as e:  # noqa: BLE001 - handed to the caller
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}",
                                  error_type=type(e).__name__)
@@ -127,50 +119,24 @@ class EngineCore:
         """One engine step. A step that raises fails every request in flight (their blocks are
         freed) unless the error is fatal, which is raised."""
         try:
-            outs = self.engine.step()
+            return self.core.step()
         except Exception as e:
             if getattr(e, "fatal", False):
                 raise
             logger.exception("engine step failed; failing the %d requests in flight: %s",
-                             len(self.live), ", ".join(sorted(self.live)))
+                             len(self.core.request_ids()), ", ".join(sorted(self.core.request_ids())))
             return self.fail_all("failed", f"the engine step failed: {type(e).__name__}: {e}")
-        msgs = []
-        for out in outs:
-            if out.request_id in self.live:
-                msgs.append(to_message(out))
-                if out.finished:
-                    self.live.discard(out.request_id)
-        return EngineCoreOutputs(outputs=msgs, stats=self.engine.stats)
 
     def fail_all(self, error: str, detail: str) -> EngineCoreOutputs:
         """End every request with ``error``; every block goes back to the pool."""
-        msgs = [EngineCoreOutput(request_id=rid, finished=True, error=error, error_detail=detail)
-                for rid in sorted(self.live)]
-        self.live.clear()
-        for rid in self.engine.request_ids():
+        ids = sorted(self.core.request_ids())
+        msgs = [EngineCoreOutput(request_id=rid, error=error, error_detail=detail) for rid in ids]
+        for rid in ids:
             try:
-                self.engine.abort_request(rid)
+                self.core.abort_requests([rid])
             except Exception:  # noqa: BLE001 - keep freeing the others
                 logger.exception("abort of %s failed", rid)
-        return EngineCoreOutputs(outputs=msgs, stats=self.engine.stats, step=False)
-
-
-def to_message(out: RequestOutput) -> EngineCoreOutput:
-    m = out.metrics
-    return EngineCoreOutput(
-        request_id=out.request_id,
-        outputs=[CompletionDelta(index=c.index, token_ids=list(c.token_ids), text=c.text,
-                                 cumulative_logprob=c.cumulative_logprob, logprobs=c.logprobs,
-                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                 for c in out.outputs],
-        finished=out.finished,
-        prompt_logprobs=out.prompt_logprobs,
-        num_cached_tokens=m.num_cached_tokens if m is not None else 0,
-        arrival_time=m.arrival_time if m is not None else 0.0,
-        first_token_time=m.first_token_time if m is not None else None,
-        finished_time=m.finished_time if m is not None else None,
-        num_preemptions=m.num_preemptions if m is not None else 0,
-    )
+        return EngineCoreOutputs(outputs=msgs, stats=self.core.stats, step=False)
 
 
 class Transport(Protocol):
@@ -202,7 +168,7 @@ class QueueTransport:
 class CoreLoop:
     """The busy loop: drain inputs, let late arrivals join (``batch_wait_s``), step, send."""
 
-    def __init__(self, core: EngineCore, transport: Transport, batch_wait_s: float = 0.0,
+    def __init__(self, core: CoreService, transport: Transport, batch_wait_s: float = 0.0,
                  alive: Callable[[], bool] = lambda: True) -> None:
         self.core = core
         self.transport = transport
@@ -261,8 +227,8 @@ class CoreLoop:
     def _window(self) -> bool:
         """While the batch is small, give late arrivals up to ``batch_wait_s`` to join."""
         deadline = time.monotonic() + self.batch_wait_s
-        sched = self.core.engine.scheduler
-        limit = self.core.engine.config.scheduler.max_num_seqs
+        sched = self.core.core.scheduler
+        limit = self.core.core.config.scheduler.max_num_seqs
         while sched.num_running + sched.num_waiting < limit:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -346,7 +312,7 @@ def run_core_process(engine_args: EngineArgs, in_addr: str, out_addr: str,
         engine = LLMEngine.from_engine_args(engine_args)
         freeze_startup_heap()
         transport.send(Ready(os.getpid(), engine.kv.num_blocks, engine.stats))
-        loop = CoreLoop(EngineCore(engine), transport, batch_wait_ms / 1000.0,
+        loop = CoreLoop(CoreService(engine.core), transport, batch_wait_ms / 1000.0,
                         alive=lambda: os.getppid() == parent_pid)
         loop.run()
     except BaseException as e:  # noqa: BLE001 - logged; the exit code tells the front end

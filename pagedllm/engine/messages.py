@@ -16,9 +16,10 @@ process over ZMQ (``MPClient``).
                          ◀─── Ready                  the core process is serving
                          ◀─── CoreDead               the core's last word before it exits
 
-Nothing here holds a live ``Request``, scheduler or KV manager. ``SamplingParams``,
-``StepStats`` and ``Logprob`` are plain dataclasses, which msgspec encodes field by field and
-decodes through their own constructors (``SamplingParams.__post_init__`` checks them again).
+Nothing here holds a live ``Request``, scheduler or KV manager, nor any text: the core sends
+token ids and logprobs; the front end detokenizes and finds stop strings. ``SamplingParams`` and
+``StepStats`` are plain dataclasses, which msgspec encodes field by field and decodes through
+their own constructors (``SamplingParams.__post_init__`` checks them again).
 """
 
 from __future__ import annotations
@@ -27,11 +28,8 @@ from typing import Any
 
 import msgspec
 
-from pagedllm.request import Logprob
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched.stats import StepStats
-
-PositionLogprobs = dict[int, Logprob]
 
 
 class EngineCoreRequest(msgspec.Struct, tag=True, kw_only=True):
@@ -63,41 +61,56 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-class CompletionDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One sequence of a request (``index`` of n). With ``output_kind=DELTA`` (what the server
-    asks for) ``token_ids``, ``text`` and ``logprobs`` are what is new since the last output;
-    with CUMULATIVE, everything so far."""
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """A sampled token's logprob, its rank and the position's top-k (token id, logprob)."""
 
-    index: int
-    token_ids: list[int]
-    text: str = ""
-    cumulative_logprob: float | None = None
-    logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    logprob: float
+    rank: int | None
+    topk: list[tuple[int, float]]
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of prompt tokens start+1 .. start+len(chosen); a recomputation after
+    preemption may send positions again (the front end keeps the first)."""
+
+    start: int
+    chosen: list[float]
+    ranks: list[int]
+    topk: list[list[tuple[int, float]]]
+
+
+class BeamSequence(msgspec.Struct, array_like=True):
+    token_ids: list[int]  # generated tokens
+    score: float  # the sum of their raw logprobs
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One request's output of a step, or its end. ``error`` set: the core ended it without a
-    result ("failed": a failed step; "shutdown": the core is stopping), with ``error_detail`` for
-    the server log."""
+    """One sequence's step: token ids, no text (the front end detokenizes). ``request_id`` is the
+    sequence's id: the request's own for n=1, ``<id>#<i>`` for the i-th of n. ``finish_reason``
+    set: the core ended the sequence (``stop_token``: its last token is an eos or stop token id,
+    which the text leaves out). ``beams``: a finished beam search's sequences, best first.
+    ``error`` set (with the request's id): the core ended the whole request without a result
+    ("failed": a failed step; "shutdown": the core is stopping), ``error_detail`` for the log."""
 
     request_id: str
-    outputs: list[CompletionDelta] = []
-    finished: bool = False
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    new_token_ids: list[int] = []
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, if params.logprobs
+    prompt_logprobs: PromptLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    stop_token: bool = False
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    finished_time: float | None = None
     num_preemptions: int = 0
+    beams: list[BeamSequence] | None = None
     error: str | None = None
     error_detail: str = ""
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True, kw_only=True):
     """A step's outputs and its stats record; ``step`` False for a state change outside a step
-    (aborts) whose ``stats`` is a snapshot without request events."""
+    (aborts) whose ``stats`` is a snapshot without request events. The front end adds the
+    request events (latencies, finish reasons) to ``stats`` when it turns the outputs into
+    ``RequestOutput``s (``engine.output.OutputProcessor``)."""
 
     outputs: list[EngineCoreOutput] = []
     stats: StepStats | None = None

@@ -1,9 +1,11 @@
-"""Output processing: sampled tokens become text (incremental detokenization, stop strings),
-logprobs with their token texts, and ``RequestOutput``s in the kind each request asked for
-(``RequestOutputKind``: cumulative, delta, or final only).
+"""The front end's output processing: the core's token ids become text (incremental
+detokenization, stop strings), logprobs get their token texts, and ``RequestOutput``s are built in
+the kind each request asked for (``RequestOutputKind``: cumulative, delta, or final only).
 
-The processor decides nothing for the scheduler: it reports which sequences a stop string ended
-(the engine finishes them) and which requests are done (the engine releases them).
+Runs where the front end runs: in ``LLMEngine`` (``LLM``, tests) and in the API server's process
+(``EngineClient``), never in the engine core. A stop string ends a sequence here: the processor
+finishes it and returns its id in ``ProcessedOutputs.aborts``, which the caller sends to the core
+as an ``Abort`` (the core may meanwhile have stepped it again; those tokens are dropped).
 """
 
 from __future__ import annotations
@@ -13,50 +15,65 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from pagedllm.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    PromptLogprobs,
+    TokenLogprobs,
+)
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedllm.request import Logprob, PositionLogprobs, Request, RequestStatus
-from pagedllm.runner.model_runner import PromptLogprobsChunk, SampledToken
-from pagedllm.sampling_params import RequestOutputKind
-from pagedllm.sched import ScheduledRequest
+from pagedllm.request import Logprob, PositionLogprobs
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.sched.stats import StepStats
 from pagedllm.tokenizer import IncrementalDetokenizer
 
 
-@dataclass
-class _Seq:
-    """One child sequence and what of it was already handed out (DELTA)."""
+def sequence_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's sequences in the core: its own for n=1, ``<id>#<i>`` for n > 1
+    (``InputProcessor.fan_out`` names them so)."""
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
 
-    request: Request
+
+@dataclass(eq=False)
+class SeqOutput:
+    """The front end's state of one sequence: its tokens, text, logprobs, finish and what of it
+    was already handed out (DELTA). The core's state of it is a ``Request``."""
+
+    index: int
+    params: SamplingParams
     detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
     sent_tokens: int = 0
     sent_text: int = 0
     done: bool = False
-    num_seen: int = 0  # output tokens processed (more than one a step with speculation)
 
-    @property
-    def finish_reason(self) -> str | None:
-        if self.request.is_finished:
-            return self.request.status.value
-        return RequestStatus.FINISHED_STOPPED.value if self.detok.stopped_by is not None else None
-
-    def visible_text(self, finished: bool) -> str:
+    def visible_text(self) -> str:
         """The text so far, less what may begin a stop string while the sequence runs."""
         text = self.detok.text
-        return text if finished else text[: len(text) - self.detok.holdback()]
+        return text if self.finish_reason is not None else text[: len(text) - self.detok.holdback()]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Group:
-    """The user's request: n child sequences sharing one prompt."""
+    """The user's request: n sequences sharing one prompt (or a beam search: ``beam``)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    seqs: list[_Seq]
+    seqs: list[SeqOutput]
     arrival_time: float
     kind: RequestOutputKind
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     sent_prompt_logprobs: bool = False
     last_token_time: float | None = None
+    beam: bool = False
 
     @property
     def finished(self) -> bool:
@@ -64,41 +81,46 @@ class _Group:
 
 
 @dataclass
-class ProcessedStep:
+class ProcessedOutputs:
     outputs: list[RequestOutput] = field(default_factory=list)
-    stopped: list[str] = field(default_factory=list)  # sequences a stop string ended
-    finished: list[str] = field(default_factory=list)  # sequences of requests now done
+    aborts: list[str] = field(default_factory=list)  # sequences a stop string ended: tell the core
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.groups: dict[str, _Group] = {}
-        self._seqs: dict[str, tuple[_Group, _Seq]] = {}
+        self._seqs: dict[str, tuple[_Group, SeqOutput]] = {}
 
     def __len__(self) -> int:
         return len(self.groups)
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int],
-            children: list[Request], arrival: float) -> None:
-        params = children[0].params
-        seqs = [_Seq(c, IncrementalDetokenizer(
-            self.tokenizer, prompt_ids, c.params.stop, c.params.include_stop_str_in_output,
-            c.params.skip_special_tokens)) for c in children]
-        group = _Group(request_id, prompt, prompt_ids, seqs, arrival, params.output_kind)
+            params: SamplingParams, arrival: float) -> None:
+        seqs = [SeqOutput(i, params, IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output,
+            params.skip_special_tokens), logprobs=[] if params.logprobs is not None else None)
+            for i in range(params.n)]
+        group = _Group(request_id, prompt, prompt_ids, seqs, arrival, params.output_kind,
+                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         self.groups[request_id] = group
-        for s in seqs:
-            self._seqs[s.request.request_id] = (group, s)
+        for sid, s in zip(sequence_ids(request_id, params.n), seqs):
+            self._seqs[sid] = (group, s)
 
-    def remove(self, request_id: str) -> list[str]:
-        """Forget a request; returns its sequences' ids (empty if unknown)."""
+    def add_beam_search(self, request_id: str, prompt_ids: list[int], arrival: float) -> None:
+        """A beam search: one output when it finishes (its sequences come whole)."""
+        self.groups[request_id] = _Group(request_id, None, prompt_ids, [], arrival,
+                                         RequestOutputKind.FINAL_ONLY, beam=True)
+
+    def remove(self, request_id: str) -> bool:
+        """Forget a request (False if unknown)."""
         group = self.groups.pop(request_id, None)
         if group is None:
-            return []
-        ids = [s.request.request_id for s in group.seqs]
-        for rid in ids:
-            self._seqs.pop(rid, None)
-        return ids
+            return False
+        if not group.beam:
+            for sid in sequence_ids(request_id, len(group.seqs)):
+                self._seqs.pop(sid, None)
+        return True
 
     def owns(self, seq_id: str) -> bool:
         return seq_id in self._seqs
@@ -108,101 +130,99 @@ class OutputProcessor:
         entry = self._seqs.get(seq_id)
         return None if entry is None else entry[0].request_id
 
-    def seq_ids(self, request_id: str) -> list[str]:
-        return [s.request.request_id for s in self.groups[request_id].seqs]
-
-    def finish(self, request_id: str, stats: StepStats) -> RequestOutput | None:
-        """The last output of a request the engine ended itself (its sequences are finished in
-        the scheduler already; their finish reasons go to ``stats``); the request is forgotten."""
-        group = self.groups[request_id]
-        stats.finish_reasons += [s.finish_reason or "abort" for s in group.seqs]
-        out = self._output(group, time.monotonic(), finished=True)
-        self.remove(request_id)
-        return out
-
-    def process(self, scheduled: list[ScheduledRequest], sampled: dict[str, SampledToken],
-                prompt_lps: dict[str, PromptLogprobsChunk], stats: StepStats,
-                accepted: dict[str, list[SampledToken]] | None = None) -> ProcessedStep:
-        """Outputs of the step; its request events (tokens, latencies, finishes) go to
-        ``stats``. ``accepted``: speculative decoding's accepted proposals, which precede a
-        request's ``sampled`` token (as many of them as the scheduler appended)."""
-        step = ProcessedStep()
+    def process(self, core: EngineCoreOutputs) -> ProcessedOutputs:
+        """The ``RequestOutput``s of a step's core outputs; the request events (tokens,
+        latencies, finishes) are added to ``core.stats``. Outputs of sequences this processor
+        does not know or already finished (aborted, stopped here) are dropped."""
+        done = ProcessedOutputs()
+        stats = core.stats if core.stats is not None else StepStats()
         touched: dict[str, _Group] = {}
+        produced: set[str] = set()  # requests with new tokens (an error may end one without)
         now = time.monotonic()
-        for s in scheduled:
-            req = s.request
-            entry = self._seqs.get(req.request_id)
-            if entry is None:
-                continue  # not a generate request (e.g. a beam)
-            group, seq = entry
-            chunk = prompt_lps.get(req.request_id)
-            if chunk is not None:
-                self._record_prompt_logprobs(req, chunk)
-            tok = sampled.get(req.request_id)
-            if tok is None:
+        for out in core.outputs:
+            if out.beams is not None:
+                group = self.groups.get(out.request_id)
+                if group is not None and group.beam:
+                    done.outputs.append(self._beam_output(group, out))
+                    self.remove(out.request_id)
                 continue
-            touched[group.request_id] = group
-            # a token-level stop among accepted proposals ended the request early
-            toks = [*accepted.get(req.request_id, ()), tok] if accepted else [tok]
-            toks = toks[: req.num_output_tokens - seq.num_seen]
-            seq.num_seen += len(toks)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            for j, t in enumerate(toks):
-                stats.num_generation_tokens += 1
-                if t.logprob is not None:
-                    self._record_logprobs(req, t)
-                last = j == len(toks) - 1
-                stop_token = last and req.stopped_on_token  # not a stop string or a grammar
-                if not stop_token or req.params.include_stop_str_in_output:
-                    seq.detok.add_tokens([t.token_id])
-                if seq.detok.stopped_by is not None and not req.is_finished:
-                    req.stop_reason = seq.detok.stopped_by
-                    req.drop_last_tokens(len(toks) - 1 - j)  # past the stop string
-                    seq.num_seen -= len(toks) - 1 - j
-                    step.stopped.append(req.request_id)
-                    break
+            entry = self._seqs.get(out.request_id)
+            if entry is None or entry[1].finish_reason is not None:
+                continue
+            group, seq = entry
+            if out.prompt_logprobs is not None and group.prompt_logprobs is not None:
+                self._record_prompt_logprobs(group, out.prompt_logprobs)
+            if out.new_token_ids or out.finish_reason is not None:
+                touched[group.request_id] = group
+                if out.new_token_ids:
+                    produced.add(group.request_id)
+                if self._add_tokens(seq, out, stats, now):
+                    done.aborts.append(out.request_id)
         for group in touched.values():
             finished = group.finished
-            _record_events(group, now, finished, stats)
-            out = self._output(group, now, finished)
-            if out is not None:
-                step.outputs.append(out)
+            _record_events(group, now, group.request_id in produced, finished, stats)
+            ro = self._output(group, now, finished)
+            if ro is not None:
+                done.outputs.append(ro)
             if finished:
-                step.finished += self.remove(group.request_id)
-        return step
+                self.remove(group.request_id)
+        return done
+
+    def _add_tokens(self, seq: SeqOutput, out: EngineCoreOutput, stats: StepStats,
+                    now: float) -> bool:
+        """Append a step's tokens; True if a stop string ended the sequence (the tokens past it
+        are dropped)."""
+        seq.num_cached_tokens, seq.num_preemptions = out.num_cached_tokens, out.num_preemptions
+        if seq.first_token_time is None and out.new_token_ids:
+            seq.first_token_time = now
+        toks, lps = out.new_token_ids, out.new_logprobs
+        stopped = False
+        for j, t in enumerate(toks):
+            stats.num_generation_tokens += 1
+            seq.token_ids.append(t)
+            if lps is not None:
+                self._record_logprobs(seq, t, lps[j])
+            stop_token = out.stop_token and j == len(toks) - 1  # eos/stop id: not in the text
+            if not stop_token or seq.params.include_stop_str_in_output:
+                seq.detok.add_tokens([t])
+            if seq.detok.stopped_by is not None and out.finish_reason is None:
+                seq.finish_reason, seq.stop_reason = "stop", seq.detok.stopped_by
+                stopped = True
+                break
+        if out.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+        return stopped
 
     # -- logprobs -------------------------------------------------------------------------------
-    def _record_logprobs(self, req: Request, tok: SampledToken) -> None:
-        """A token sampled with its logprob (``tok.logprob`` is not None)."""
-        assert tok.logprob is not None
-        req.cumulative_logprob += tok.logprob
-        if req.logprobs is None:
+    def _record_logprobs(self, seq: SeqOutput, token_id: int, lp: TokenLogprobs) -> None:
+        seq.cumulative_logprob += lp.logprob
+        if seq.logprobs is None:
             return
         pos: PositionLogprobs = {}
-        for rank, (tid, lp) in enumerate(tok.topk, start=1):
-            pos[tid] = Logprob(lp, rank, self._token_text(tid))
-        pos[tok.token_id] = Logprob(tok.logprob, tok.rank, self._token_text(tok.token_id))
-        req.logprobs.append(pos)
+        for rank, (tid, v) in enumerate(lp.topk, start=1):
+            pos[tid] = Logprob(v, rank, self._token_text(tid))
+        pos[token_id] = Logprob(lp.logprob, lp.rank, self._token_text(token_id))
+        seq.logprobs.append(pos)
 
     def _token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
 
-    def _record_prompt_logprobs(self, req: Request, chunk: PromptLogprobsChunk) -> None:
-        assert req.prompt_logprobs is not None
+    def _record_prompt_logprobs(self, group: _Group, chunk: PromptLogprobs) -> None:
+        recorded = group.prompt_logprobs
+        assert recorded is not None
         # A recomputation after preemption repeats positions already recorded, in chunks that
         # need not start where the first pass's did: only the positions past them are new.
-        skip = len(req.prompt_logprobs) - chunk.start
+        skip = len(recorded) - chunk.start
         if skip < 0:
             return
         for j, (lp, rank) in enumerate(zip(chunk.chosen[skip:], chunk.ranks[skip:]), skip):
-            tid = req.prompt_token_ids[chunk.start + j]
+            tid = group.prompt_token_ids[chunk.start + j]
             pos: PositionLogprobs = {
                 t: Logprob(v, r, self._token_text(t))
                 for r, (t, v) in enumerate(chunk.topk[j], start=1)
             }
             pos[tid] = Logprob(lp, rank, self._token_text(tid))
-            req.prompt_logprobs.append(pos)
+            recorded.append(pos)
 
     # -- outputs --------------------------------------------------------------------------------
     def _output(self, group: _Group, now: float, finished: bool) -> RequestOutput | None:
@@ -212,67 +232,70 @@ class OutputProcessor:
         outs = self._deltas(group) if kind is RequestOutputKind.DELTA else self._cumulative(group)
         if not outs:
             return None
-        first = group.seqs[0].request
-        prompt_lps = first.prompt_logprobs
+        prompt_lps = group.prompt_logprobs
         if kind is RequestOutputKind.DELTA:
             prompt_lps, group.sent_prompt_logprobs = (
                 None if group.sent_prompt_logprobs else prompt_lps), True
-        reqs = [s.request for s in group.seqs]
+        seqs = group.seqs
         metrics = RequestMetrics(
             arrival_time=group.arrival_time,
-            first_token_time=min((r.first_token_time for r in reqs if r.first_token_time),
+            first_token_time=min((s.first_token_time for s in seqs if s.first_token_time),
                                  default=None),
             finished_time=now if finished else None,
-            num_preemptions=sum(r.num_preemptions for r in reqs),
-            num_cached_tokens=first.num_cached_tokens or 0,
+            num_preemptions=sum(s.num_preemptions for s in seqs),
+            num_cached_tokens=seqs[0].num_cached_tokens,
         )
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, prompt_lps,
                              outs, finished, metrics)
 
     def _cumulative(self, group: _Group) -> list[CompletionOutput]:
-        outs = []
-        for i, seq in enumerate(group.seqs):
-            req, finish = seq.request, seq.finish_reason
-            outs.append(CompletionOutput(
-                index=i, text=seq.visible_text(finish is not None),
-                token_ids=req.output_token_ids,
-                cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
-                logprobs=req.logprobs, finish_reason=finish, stop_reason=req.stop_reason,
-            ))
-        return outs
+        return [CompletionOutput(
+            index=seq.index, text=seq.visible_text(), token_ids=list(seq.token_ids),
+            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+            logprobs=seq.logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+        ) for seq in group.seqs]
 
     def _deltas(self, group: _Group) -> list[CompletionOutput]:
         """What each sequence has new since its last output; a sequence is included when its
         visible text grew or it finished (tokens whose text is held back wait for it)."""
         outs = []
-        start = len(group.prompt_token_ids)
-        for i, seq in enumerate(group.seqs):
+        for seq in group.seqs:
             if seq.done:
                 continue
-            req, finish = seq.request, seq.finish_reason
-            text = seq.visible_text(finish is not None)
+            finish = seq.finish_reason
+            text = seq.visible_text()
             if len(text) == seq.sent_text and finish is None:
                 continue
-            ids = req.token_ids[start + seq.sent_tokens:]
-            lps = req.logprobs[seq.sent_tokens:] if req.logprobs is not None else None
+            ids = seq.token_ids[seq.sent_tokens:]
+            lps = seq.logprobs[seq.sent_tokens:] if seq.logprobs is not None else None
             outs.append(CompletionOutput(
-                index=i, text=text[seq.sent_text:], token_ids=ids,
-                cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
-                logprobs=lps, finish_reason=finish, stop_reason=req.stop_reason,
+                index=seq.index, text=text[seq.sent_text:], token_ids=ids,
+                cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+                logprobs=lps, finish_reason=finish, stop_reason=seq.stop_reason,
             ))
             seq.sent_text, seq.sent_tokens, seq.done = len(text), seq.sent_tokens + len(ids), finish is not None
         return outs
 
+    def _beam_output(self, group: _Group, out: EngineCoreOutput) -> RequestOutput:
+        assert out.beams is not None
+        outs = [CompletionOutput(i, str(self.tokenizer.decode(b.token_ids)), b.token_ids, b.score,
+                                 None, out.finish_reason)
+                for i, b in enumerate(out.beams)]
+        return RequestOutput(group.request_id, None, group.prompt_token_ids, None, outs, True,
+                             RequestMetrics(arrival_time=group.arrival_time))
 
-def _record_events(group: _Group, now: float, finished: bool, stats: StepStats) -> None:
-    """A request that produced tokens this step: its first-token or inter-token latency, and
-    its end-to-end latency and finish reasons when it is done."""
-    if group.last_token_time is None:
-        stats.time_to_first_token_s.append(now - group.arrival_time)
-        stats.num_prompt_tokens += len(group.prompt_token_ids)
-    else:
-        stats.inter_token_latency_s.append(now - group.last_token_time)
-    group.last_token_time = now
+
+def _record_events(group: _Group, now: float, produced: bool, finished: bool,
+                   stats: StepStats) -> None:
+    """A request that produced tokens this step (``produced``) or ended: its first-token or
+    inter-token latency, and its end-to-end latency and finish reasons when it is done."""
+    if produced:
+        if group.last_token_time is None:
+            stats.time_to_first_token_s.append(now - group.arrival_time)
+            stats.num_prompt_tokens += len(group.prompt_token_ids)
+        else:
+            stats.inter_token_latency_s.append(now - group.last_token_time)
+        group.last_token_time = now
     if finished:
         stats.e2e_latency_s.append(now - group.arrival_time)
         stats.finish_reasons += [s.finish_reason or "abort" for s in group.seqs]

@@ -11,12 +11,12 @@ from pagedllm.kv.snapshot import capture_kv
 from pagedllm.request import RequestStatus
 
 if TYPE_CHECKING:
-    from pagedllm.engine.core import LLMEngine
+    from pagedllm.engine.engine_core import EngineCore
 
 TEXT_CHARS = 300  # of a prompt or an output shown with show_text
 
 
-def kv_snapshot(engine: LLMEngine, show_text: bool = False) -> dict[str, Any]:
+def kv_snapshot(engine: EngineCore, show_text: bool = False) -> dict[str, Any]:
     """The KV cache and the requests now: ``pagedllm.kv.snapshot.capture_kv``'s map plus each
     request's state and counts, ``kv_stats()`` and the queue lengths. Prompt and output text
     only with ``show_text``."""

@@ -12,6 +12,7 @@ import pytest
 from pagedllm.engine import LLMEngine
 from pagedllm.engine.client import OutputStream, ServerShuttingDown
 from pagedllm.engine.client_inproc import InProcessClient
+from pagedllm.engine.messages import EngineCoreOutputs
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -28,17 +29,17 @@ def test_batch_window_lets_a_late_arrival_join_the_first_step(chat_model: Path) 
     engine = LLMEngine.from_args(model=str(chat_model), block_size=4, num_kv_blocks=128,
                                  max_model_len=128, max_num_seqs=2)
     first_step: dict[str, int] = {}  # request -> the engine step that produced its first token
-    real_step, steps = engine.step, [0]
+    real_step, steps = engine.core.step, [0]
 
-    def step() -> list:
+    def step() -> EngineCoreOutputs:  # the core's step: the client's loop drives the core
         outs = real_step()
         steps[0] += 1
-        for out in outs:
-            if len(out.outputs[0].token_ids) == 1:
+        for out in outs.outputs:
+            if out.new_token_ids and out.request_id not in first_step:
                 first_step[out.request_id] = steps[0]
         return outs
 
-    engine.step = step  # type: ignore[method-assign]
+    engine.core.step = step  # type: ignore[method-assign]
 
     async def main() -> None:
         ae = InProcessClient(engine, batch_wait_ms=60_000)

@@ -106,14 +106,14 @@ def test_failing_step_fails_its_requests_and_the_server_recovers(server: ServerT
     """The client learns that the engine failed and its request id, nothing of the failure
     itself; the server log has the detail under that id."""
     def break_next_step(engine: Any) -> None:
-        real = engine.step
+        real = engine.core.step  # the core's step: the server's core loop drives the core
 
         def boom() -> Any:
-            engine.step = real  # fail once, after the scheduler has allocated blocks
+            engine.core.step = real  # fail once, after the scheduler has allocated blocks
             engine.scheduler.schedule()
             raise RuntimeError("injected failure at /home/me/secret.py")
 
-        engine.step = boom
+        engine.core.step = boom
 
     with captured_log() as log:
         server.call(break_next_step)
@@ -231,7 +231,7 @@ def test_fatal_engine_failure_turns_health_to_503(chat_model: Any) -> None:
             def boom() -> Any:
                 raise WorkerGone("rank 1 (pid 4242 on host-a) exited: see /opt/site-packages/torch/x.py")
 
-            engine.step = boom
+            engine.core.step = boom
 
         server.call(break_for_good)
         with captured_log() as log:

@@ -1,0 +1,315 @@
+"""EngineCore: the model's side of the engine. Token ids in (``EngineCoreRequest``), token ids out
+(``EngineCoreOutputs``); no text. ``step()`` = schedule -> execute -> update -> outputs.
+
+Built in one order on every device: the executor loads the weights (and, on a GPU without an
+explicit KV size, profiles memory) -> the KV pool is planned from the budget -> KV manager and
+scheduler -> the executor allocates the KV cache.
+
+One way a sequence ends. ``Scheduler.finish_request`` is the only code that gives a request a
+finished status (and frees its blocks). The scheduler's own ``update`` calls it for token-level
+stops (eos, stop token ids, length); every other end the core decides (a complete grammar, a
+failed request, an abort, a pruned or finished beam) goes through ``EngineCore._finish``. A stop
+string is found by the front end, which finishes the request there and sends an abort
+(``tests/test_structure.py`` pins both rules).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import replace
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.beam import BeamSearch
+from pagedllm.engine.core_outputs import StepOutputs
+from pagedllm.engine.input import InputProcessor
+from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.executor import Executor, make_executor
+from pagedllm.generation_config import load_generation_defaults
+from pagedllm.kv.manager import KVCacheManager
+from pagedllm.kv.plan import plan_kv_pool
+from pagedllm.kv.publisher import ZmqEventPublisher
+from pagedllm.logging_utils import init_logger
+from pagedllm.lora.request import LoRARequest
+from pagedllm.request import Request, RequestStatus
+from pagedllm.runner.model_runner import ModelRunner
+from pagedllm.sched import Scheduler, SchedulerOutput
+from pagedllm.sched.build import build_scheduler
+from pagedllm.sched.memory import KVMemoryPolicy
+from pagedllm.sched.stats import StepStats
+from pagedllm.spec_decode.decoder import SpecDecoder, build_spec_decoder
+from pagedllm.structured.manager import StructuredOutputManager
+from pagedllm.tokenizer import eos_token_ids, get_tokenizer
+
+logger = init_logger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, scheduler_cls: type[Scheduler] = Scheduler) -> None:
+        """``scheduler_cls`` swaps the batching policy (the benchmarks' contiguous baseline)."""
+        self.config = config
+        self.tokenizer = get_tokenizer(config.tokenizer)  # grammars and n-gram proposals
+        self.generation_defaults = load_generation_defaults(config.model.model,
+                                                            config.generation_config)
+        self.eos_token_ids = eos_token_ids(
+            self.tokenizer, config.model.eos_token_ids + self.generation_defaults.eos_token_ids)
+        executor = make_executor(config)  # rank 0 here; with TP, the other ranks started
+        self.kv_plan = p = plan_kv_pool(config.model, config.cache, config.scheduler,
+                                        _profiled_budget(config, executor))
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s, %d bytes/token); %s",
+            p.num_blocks, p.block_size, p.num_tokens, p.nbytes / 2**20,
+            config.cache.kv_dtype_label(config.model), p.bytes_per_block // p.block_size,
+            p.fit_summary(),
+        )
+        self.scheduler = build_scheduler(config, p, scheduler_cls)  # as the planner's replay
+        self.kv: KVCacheManager = self.scheduler.kv
+        self.memory: KVMemoryPolicy = self.scheduler.memory
+        start = self.kv.num_blocks
+        self._closing = contextlib.ExitStack()  # what shutdown() closes besides the executor
+        if config.cache.kv_trace_path is not None:
+            from pagedllm.kv.trace import KVTracer, attach
+
+            sched = self.scheduler
+            tracer = KVTracer(config.cache.kv_trace_path, clock=lambda: sched.num_steps)
+            attach(self.kv, tracer)
+            self._closing.callback(tracer.close)
+        self.kv_publisher = None  # --kv-events-endpoint: the step batches over ZMQ
+        if config.cache.kv_events_endpoint is not None:
+            self.kv_publisher = ZmqEventPublisher(self.kv.events, config.cache.kv_events_endpoint)
+            self._closing.callback(self.kv_publisher.close)
+        executor.init_kv_cache(start)
+        self.executor: Executor = executor
+        self.input = InputProcessor(config, self.tokenizer, self.eos_token_ids)
+        self.structured = StructuredOutputManager(self.tokenizer, config.model.vocab_size,
+                                                  self.eos_token_ids)
+        self.beams = BeamSearch(self.scheduler, self._finish, config.scheduler.max_model_len)
+        self.spec: SpecDecoder | None = build_spec_decoder(config, self.tokenizer, p.num_blocks)
+        self.groups: dict[str, list[Request]] = {}  # request id -> its live sequences
+        self._group_of: dict[str, str] = {}  # sequence id -> request id
+        self._ended: list[Request] = []  # sequences ended this step outside ``update``
+        self.stats = self.current_stats()  # the last step's record (StepStats)
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest, lora_request: LoRARequest | None = None) -> None:
+        """Check and queue a tokenized request (its n sequences: ``InputProcessor.fan_out``).
+        Raises ValueError without changing any state."""
+        rid, ids, params = req.request_id, req.prompt_token_ids, req.sampling_params
+        if self.owns(rid) or rid in self.beams.searches:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        ids = self.input.tokenize(ids)[1]  # checked against the vocabulary
+        self.scheduler.check_fits(len(ids))
+        self.input.check_params(params, len(ids))
+        self.structured.check(params)
+        if lora_request is not None:
+            self.add_lora(lora_request)
+        children = self.input.fan_out(rid, ids, params, req.priority, req.arrival_time,
+                                      lora_request)
+        try:  # n > 1: children fork the first child's prompt blocks (copy-on-write)
+            self.structured.add(children)
+            self.scheduler.add_request(children[0], forks=children[1:])
+        except Exception:
+            self.structured.release([c.request_id for c in children])
+            raise
+        self.groups[rid] = children
+        for c in children:
+            self._group_of[c.request_id] = rid
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter (every rank); ValueError (``LoRAError``) naming it and the
+        reason, or that LoRA is off. The engine is unchanged by a failure."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a pagedllm.LoRARequest, not "
+                             f"{type(lora_request).__name__}")
+        if self.config.lora is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r} needs an engine started "
+                             "with enable_lora=True (--enable-lora)")
+        self.executor.collective_rpc(ModelRunner.add_lora, lora_request)
+
+    def owns(self, seq_id: str) -> bool:
+        """A generate request or one of its sequences (not a beam)."""
+        return seq_id in self._group_of or seq_id in self.groups
+
+    def abort_requests(self, ids: list[str], step: StepStats | None = None) -> list[str]:
+        """Abort requests, single sequences of n > 1 (a stop string found by the front end) or
+        beam searches; returns the ids that were live. ``step``: the record of the step whose
+        outputs led to the aborts (stop strings, in the same process), brought up to date as
+        ``stats``; else ``stats`` becomes a snapshot."""
+        found = []
+        for rid in ids:
+            seqs = self.groups.get(rid)
+            if seqs is None and rid in self._group_of:
+                seqs = [r for r in self.groups[self._group_of[rid]] if r.request_id == rid]
+            if seqs is not None:
+                found.append(rid)
+                for r in list(seqs):
+                    self._finish(r.request_id, RequestStatus.FINISHED_ABORTED)
+            elif self.beams.abort(rid):
+                found.append(rid)
+        if found:
+            self._release_ended()
+            # the state changed outside a step
+            self.stats = self.current_stats() if step is None else self._close(step, step.step_time_s)
+        return found
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups) or bool(self.beams.searches)
+
+    def request_ids(self) -> list[str]:
+        """The unfinished requests, generate and beam search."""
+        return [*self.groups, *self.beams.searches]
+
+    def _finish(self, seq_id: str, status: RequestStatus) -> Request | None:
+        """End a sequence for a reason decided outside the scheduler's ``update`` (grammar
+        complete, error, abort, beam pruned or done); its state is released with the step's."""
+        req = self.scheduler.finish_request(seq_id, status)
+        if req is not None:
+            self._ended.append(req)
+        return req
+
+    def _release_ended(self, finished: list[Request] | None = None) -> None:
+        """Forget ended sequences' per-request state (sampling, grammars, proposers, groups)."""
+        ended = [*(finished or ()), *self._ended]
+        self._ended = []
+        if not ended:
+            return
+        ids = [r.request_id for r in ended]
+        self.executor.release(ids)
+        self.structured.release(ids)
+        if self.spec is not None:
+            self.spec.release(ids)
+        for r in ended:
+            gid = self._group_of.pop(r.request_id, None)
+            if gid is None:
+                continue
+            live = [c for c in self.groups[gid] if c is not r]
+            if live:
+                self.groups[gid] = live
+            else:
+                del self.groups[gid]
+
+    # -- the hot loop ---------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        t0 = time.perf_counter()
+        if self.spec is not None:  # speculative decoding: proposals for this step's decodes
+            self.spec.propose(self.scheduler.running, self.owns, self.scheduler.num_steps + 1)
+        sched = self.scheduler.schedule()
+        stats = StepStats.open(self.scheduler, sched)
+        sched.token_masks = self.structured.masks(sched)  # computed while the model runs
+        out = StepOutputs(sched, self._group_of)
+        try:
+            result = self.executor.execute(sched)
+        except Exception as e:  # noqa: BLE001 - a bad request fails alone, else re-raised
+            self._fail_culprits(sched, e)
+            finished: list[Request] = []
+        else:
+            accepted = {rid: len(toks) for rid, toks in result.accepted.items()}
+            finished = self.scheduler.update(sched, self.beams.take(sched, result.sampled), accepted)
+            if self.spec is not None:
+                stats.spec = self.spec.record(sched, accepted, self.scheduler.num_steps)
+            for rid in self.structured.advance(sched):  # a complete grammar ends its request
+                self._finish(rid, RequestStatus.FINISHED_STOPPED)
+            out.add_tokens(result)
+            out.beams = self.beams.select()
+            stats.prepare_time_s = result.prepare_s
+            if sched.token_masks is not None:
+                m = sched.token_masks
+                stats.num_structured_rows = len(m.rows)
+                stats.grammar_mask_time_s, stats.grammar_wait_time_s = m.compute_s, m.wait_s
+        outputs = out.build(self._ended)
+        self._release_ended(finished)
+        upkeep = self.scheduler.end_step()  # compaction, or shrinking an idle pool: KV only
+        if upkeep is not None:
+            self.executor.execute(upkeep)
+        self.stats = self._close(stats, time.perf_counter() - t0)
+        return EngineCoreOutputs(outputs=outputs, stats=self.stats)
+
+    def _close(self, stats: StepStats, step_time_s: float) -> StepStats:
+        stats.close(self.scheduler, step_time_s)
+        if self.spec is not None:
+            stats.spec_total = replace(self.spec.total)
+        return stats
+
+    def _fail_culprits(self, sched: SchedulerOutput, error: Exception) -> None:
+        """The executor failed a step. The requests in it that no longer pass admission's checks
+        fail alone: finish_reason "error", blocks freed, the error logged with their ids. The
+        others run the same step again next time: ``update`` never ran, so nothing of the failed
+        step was recorded, and rerunning it writes the same K/V into the same slots (the step's
+        KV changes are applied before the forward and sampling, where a request's bad data
+        fails, and are not planned again). A failure that no request explains, or a fatal one
+        (a lost tensor-parallel rank), is the engine's own: raised."""
+        if getattr(error, "fatal", False):
+            raise error
+        culprits = {s.request.request_id: why for s in sched.scheduled
+                    if (why := self.input.check_request(s.request)) is not None}
+        groups = {self._group_of.get(rid) for rid in culprits}
+        if not culprits or None in groups:  # none, or a beam (whose input the engine made)
+            raise error
+        for gid in sorted(g for g in groups if g is not None):
+            logger.error("request %s failed inside a step and is ended with finish_reason "
+                         "'error' (%s); the other requests continue",
+                         gid, "; ".join(str(w) for r, w in culprits.items()
+                                        if self._group_of.get(r) == gid), exc_info=error)
+            for r in list(self.groups[gid]):
+                self._finish(r.request_id, RequestStatus.FINISHED_ERROR)
+
+    # -- state ------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self._closing.close()
+        self.structured.shutdown()
+        self.executor.shutdown()
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        if self.spec is not None:
+            self.spec.check_integrity()  # a draft model's own KV pool
+        for rid in self.scheduler.requests:
+            assert rid in self._group_of or self.beams.owns(rid), f"scheduler request {rid} has no owner"
+
+    def current_stats(self) -> StepStats:
+        """A record of the engine as it is now, outside any step (``self.stats`` is the last
+        step's)."""
+        return self._close(StepStats.open(self.scheduler, SchedulerOutput()), 0.0)
+
+    def defragment(self) -> int:
+        """Compact now: live blocks move to the lowest ids. Returns the number of blocks moved."""
+        out = self.memory.defragment()
+        self.executor.execute(out)
+        return len(out.kv.compaction)
+
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """Prompt tokens looked up at admission (``queries``), found cached (``hits``)."""
+        s = self.current_stats()
+        return {"queries": s.prefix_cache_queries, "hits": s.prefix_cache_hits,
+                "hit_rate": s.prefix_cache_hit_rate}
+
+    def kv_stats(self) -> dict[str, Any]:
+        from pagedllm.engine.core_outputs import kv_stats
+
+        return kv_stats(self.current_stats(), self.config, self.kv.sliding_window)
+
+
+def _profiled_budget(config: EngineConfig, executor: Executor) -> int | None:
+    """KV bytes a CUDA memory profile leaves (``config.kv_sized_by_profile``), else None."""
+    if not config.kv_sized_by_profile:
+        return None
+    from pagedllm.runner.memory import kv_budget
+
+    prof = executor.memory_profile
+    assert prof is not None
+    measured = kv_budget(prof, config.gpu_memory_utilization)
+    if config.cache.initial_num_kv_blocks is not None:
+        # growing reallocates: the old and the new pool are briefly both on the GPU
+        measured //= 2
+        logger.info("elastic KV pool on a profiled GPU budget: it grows to half the budget "
+                    "(a growth holds the old and the new pool at once)")
+    logger.info(
+        "GPU memory: %.2f GiB free at start; weights %.2f GiB, activation peak %.2f GiB, "
+        "non-torch %.2f GiB, CUDA graphs %.2f GiB -> KV budget %.2f GiB "
+        "(gpu_memory_utilization=%.2f)",
+        prof.free_at_start / 2**30, prof.weights / 2**30, prof.activation_peak / 2**30,
+        prof.non_torch / 2**30, prof.graph_pool / 2**30, measured / 2**30,
+        config.gpu_memory_utilization,
+    )
+    return measured
