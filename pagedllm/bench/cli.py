@@ -329,9 +329,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     _workload_args(p, 64)
     _common(p)
+    from pagedllm.bench.serve_backends import add_backend_args
+
+    add_backend_args(p)
 
     def cmd_serve(a: argparse.Namespace) -> int:
-        from pagedllm.bench.serve import report_serve, run_serve
+        from pagedllm.bench.serve import report_serve, run_serve, run_serve_backends
         from pagedllm.bench.workload import WorkloadSpec, make_workload, vocab_ids
         from pagedllm.config import ModelConfig, default_model_path
         from pagedllm.tokenizer import get_tokenizer
@@ -343,6 +346,9 @@ def register(subparsers: Any) -> None:
         spec = WorkloadSpec(max_model_len=a.max_model_len or mcfg.max_position_embeddings,
                             **_spec_kwargs(a, a.seed))
         reqs = make_workload(spec, vocab_ids(tok, min(len(tok), mcfg.vocab_size)), tok)
+        if a.backends:
+            _show(run_serve_backends(a, model, reqs, tok, spec.describe()))
+            return 0
         res = run_serve(a.base_url, reqs, a.request_rate, a.max_concurrency, a.served_model_name,
                         a.slo_ttft_ms, a.slo_tpot_ms, a.slo_e2e_ms, a.prompt_format, a.seed,
                         a.timeout, tok, a.use_trace_arrivals)

@@ -233,3 +233,24 @@ def report_serve(res: dict[str, Any], output_dir: Path, output_json: Path | None
         if p:
             paths.append(p)
     return paths
+
+
+def run_serve_backends(a: Any, model: str, reqs: list[BenchRequest], tokenizer: Any,
+                       workload: dict[str, Any]) -> list[Path]:
+    """``bench serve --backends``: each server started, driven by ``run_serve`` with the same
+    requests and arrivals, stopped (``serve_backends``); a side-by-side table and JSON."""
+    from pagedllm.bench.serve_backends import format_backends, run_backends, settings_from
+
+    def drive(base_url: str) -> dict[str, Any]:
+        return run_serve(base_url, reqs, a.request_rate, a.max_concurrency, None, a.slo_ttft_ms,
+                         a.slo_tpot_ms, a.slo_e2e_ms, a.prompt_format, a.seed, a.timeout,
+                         tokenizer, a.use_trace_arrivals)
+
+    backends = [b.strip() for b in a.backends.split(",") if b.strip()]
+    res = run_backends(backends, settings_from(a, model), a.rounds, drive, a.vllm_python,
+                       a.start_timeout)
+    res["workload"] = workload
+    res["request_rate"] = "inf" if math.isinf(a.request_rate) else a.request_rate
+    res["machine"] = machine_info()
+    print(format_backends(res))
+    return [write_json(a.output_json or a.output_dir / "serve_backends.json", res)]
