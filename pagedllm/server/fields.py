@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.server.protocol import _SamplingFields
+from pagedllm.server.protocol import SamplingFields
 from pagedllm.server.serving import APIError
 
 # OpenAI fields that change nothing a client can observe here (accounting, storage, routing)
@@ -35,7 +35,7 @@ _HINTS = {
 BACKENDS = (None, "auto", "guidance", "llguidance")
 
 
-def check_extras(req: _SamplingFields) -> None:
+def check_extras(req: SamplingFields) -> None:
     """400 for any undeclared field but the accepted ones."""
     for name, value in (req.model_extra or {}).items():
         if name in HARMLESS:
@@ -50,7 +50,7 @@ def check_extras(req: _SamplingFields) -> None:
                        param=name, code="unsupported_field")
 
 
-def structured_outputs(req: _SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+def structured_outputs(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
     """(the request's output constraint, the field it came from), or (None, None)."""
     found: list[tuple[str, dict[str, Any]]] = []
     rf = req.response_format

@@ -54,7 +54,7 @@ class StructuredOutputsFields(_Strict):
     whitespace_pattern: str | None = None
 
 
-class _SamplingFields(_Strict):
+class SamplingFields(_Strict):
     """Fields shared by completions and chat completions (OpenAI names plus vLLM extras)."""
 
     model_config = ConfigDict(strict=True, extra="allow")  # judged by server.fields
@@ -115,7 +115,7 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 _HAIKU: Any = [{"role": "user", "content": "Write a haiku about memory."}]  # the docs' example
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra={"examples": [  # the document's (/docs) examples
         {"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0},
         {"prompt": ["Once upon a time", "The KV cache"], "max_tokens": 16, "n": 2, "seed": 1,
@@ -179,7 +179,7 @@ class ChatMessage(_Strict):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"messages": _HAIKU, "max_tokens": 32},
         {"messages": _HAIKU, "max_completion_tokens": 16, "n": 2, "stream": True,

@@ -35,7 +35,7 @@ from pagedllm.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from pagedllm.server.serving import APIError, _Server, engine_failure
+from pagedllm.server.serving import APIError, ServerState, engine_failure
 from pagedllm.server.tools import ToolPlan, ToolStream, tool_finish_reason
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
@@ -62,7 +62,7 @@ def _token_text(tid: int, x: Any) -> str:
     return x.decoded_token if x is not None and x.decoded_token is not None else f"<token {tid}>"
 
 
-def _completion_logprobs(c: CompletionOutput, start: int, end: int, k: int,
+def completion_logprobs(c: CompletionOutput, start: int, end: int, k: int,
                          offset: int) -> CompletionLogProbs | None:
     if c.logprobs is None:
         return None
@@ -79,7 +79,7 @@ def _completion_logprobs(c: CompletionOutput, start: int, end: int, k: int,
     return out
 
 
-def _chat_logprobs(c: CompletionOutput, start: int, end: int, k: int) -> ChatLogprobs | None:
+def chat_logprobs(c: CompletionOutput, start: int, end: int, k: int) -> ChatLogprobs | None:
     if c.logprobs is None:
         return None
     content = []
@@ -94,7 +94,7 @@ def _chat_logprobs(c: CompletionOutput, start: int, end: int, k: int) -> ChatLog
     return ChatLogprobs(content=content)
 
 
-def _prompt_logprobs(out: RequestOutput) -> PromptLogprobs | None:
+def vllm_prompt_logprobs(out: RequestOutput) -> PromptLogprobs | None:
     """vLLM's ``prompt_logprobs``: per prompt position, token id -> logprob, rank, text."""
     if out.prompt_logprobs is None:
         return None
@@ -103,12 +103,12 @@ def _prompt_logprobs(out: RequestOutput) -> PromptLogprobs | None:
         for t, x in pos.items()} for pos in out.prompt_logprobs]
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens)
 
 
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _error_event(e: APIError) -> str:
@@ -121,7 +121,7 @@ class _Chunks:
     of a choice (``offset``: characters of that choice sent before; ``first``: its first
     chunk), and the usage chunk."""
 
-    def __init__(self, srv: _Server, rid: str) -> None:
+    def __init__(self, srv: ServerState, rid: str) -> None:
         self.srv, self.rid, self.created = srv, rid, int(time.time())
 
     def head(self) -> list[BaseModel]:
@@ -136,7 +136,7 @@ class _Chunks:
 
 
 class CompletionChunks(_Chunks):
-    def __init__(self, srv: _Server, rid: str, index_of: dict[str, int], n: int,
+    def __init__(self, srv: ServerState, rid: str, index_of: dict[str, int], n: int,
                  echo: list[str] | None, logprobs: int | None) -> None:
         super().__init__(srv, rid)
         self.index_of, self.n, self.echo, self.logprobs = index_of, n, echo, logprobs
@@ -153,7 +153,7 @@ class CompletionChunks(_Chunks):
             text = self.echo[p] + text
         lp = None
         if self.logprobs is not None:
-            lp = _completion_logprobs(c, 0, len(c.token_ids), self.logprobs, offset)
+            lp = completion_logprobs(c, 0, len(c.token_ids), self.logprobs, offset)
         return self._response([CompletionChoice(index=p * self.n + c.index, text=text, logprobs=lp,
                                                 finish_reason=c.finish_reason,
                                                 stop_reason=c.stop_reason)])
@@ -165,7 +165,7 @@ class CompletionChunks(_Chunks):
 class ChatChunks(_Chunks):
     """``plan``: the request's tool calling (``server.tools``), read from each choice's text."""
 
-    def __init__(self, srv: _Server, rid: str, n: int, k: int | None,
+    def __init__(self, srv: ServerState, rid: str, n: int, k: int | None,
                  plan: ToolPlan | None = None) -> None:
         super().__init__(srv, rid)
         self.n, self.k, self.plan = n, k, plan
@@ -181,7 +181,7 @@ class ChatChunks(_Chunks):
 
     def choice(self, out: RequestOutput, c: CompletionOutput, offset: int,
                first: bool) -> BaseModel:
-        lp = _chat_logprobs(c, 0, len(c.token_ids), self.k) if self.k is not None else None
+        lp = chat_logprobs(c, 0, len(c.token_ids), self.k) if self.k is not None else None
         if self.plan is None:
             delta, reason = DeltaMessage(content=c.text), c.finish_reason
         else:
@@ -196,7 +196,7 @@ class ChatChunks(_Chunks):
         return self._chunk([], usage)
 
 
-async def stream_deltas(srv: _Server, stream: OutputStream, chunks: _Chunks,
+async def stream_deltas(srv: ServerState, stream: OutputStream, chunks: _Chunks,
                         include_usage: bool) -> AsyncIterator[str]:
     """The SSE body of a streamed request, from the engine's DELTA outputs: each delta of a
     choice is one chunk, then the usage (if asked), then ``[DONE]``."""
@@ -218,7 +218,7 @@ async def stream_deltas(srv: _Server, stream: OutputStream, chunks: _Chunks,
                 sent[key] = (offset or 0) + len(c.text)
                 completion_tokens += len(c.token_ids)
         if include_usage:
-            yield _sse(chunks.usage(_usage(sum(prompt_tokens.values()), completion_tokens)))
+            yield _sse(chunks.usage(usage_info(sum(prompt_tokens.values()), completion_tokens)))
         yield "data: [DONE]\n\n"
     except EngineError as e:
         yield _error_event(engine_failure(e, chunks.rid))
