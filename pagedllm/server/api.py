@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -51,7 +52,8 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
               disable_docs: bool = False, kv_inspector: bool = False,
               kv_inspector_show_text: bool = False,
               tool_call_parser: str | None = None,
-              chat_template: str | None = None, log_requests: bool = False) -> FastAPI:
+              chat_template: str | None = None, log_requests: bool = False,
+              allowed_origins: list[str] | None = None) -> FastAPI:
     """The app for one engine: an ``EngineClient`` (``pagedllm serve`` passes an ``MPClient``,
     the core in its own process), or an ``LLMEngine``, served by an ``InProcessClient`` (a core
     thread). The client starts and stops with the app's lifespan.
@@ -63,7 +65,8 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
     key).
     ``tool_call_parser``: see ``server.tools.PARSERS`` (tool_choice 'auto' needs one);
     ``chat_template``: a Jinja template (file or text) instead of the tokenizer's;
-    ``log_requests``: log each request's id, endpoint and sampling parameters."""
+    ``log_requests``: log each request's id, endpoint and sampling parameters;
+    ``allowed_origins``: CORS (Starlette's middleware) for these origins ("*": any)."""
     template = load_chat_template(chat_template)
     if tool_call_parser not in (None, *PARSERS):
         raise ValueError(f"--tool-call-parser {tool_call_parser!r}: choose {', '.join(PARSERS)}")
@@ -84,6 +87,9 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
     app.state.kv_inspector = KVInspector(client, kv_inspector_show_text) if kv_inspector else None
     _add_error_handlers(app)
     app.add_middleware(_Unhandled)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in allowed_origins)
 
     app.include_router(health.router)
     if not disable_docs:

@@ -27,6 +27,7 @@ from pagedllm.server.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     HealthResponse,
+    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -37,7 +38,7 @@ _MODELS: list[tuple[type[BaseModel], JsonSchemaMode]] = [
     *((m, "validation") for m in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
                                   DetokenizeRequest)),
     *((m, "serialization") for m in (CompletionResponse, ChatCompletionResponse, ChatCompletionChunk,
-                                     TokenizeResponse, DetokenizeResponse, ModelList, ErrorResponse,
+                                     TokenizeResponse, DetokenizeResponse, ModelCard, ModelList, ErrorResponse,
                                      HealthResponse, VersionResponse)),
 ]
 _REFS, _DEFS = models_json_schema(_MODELS, ref_template="#/components/schemas/{model}")

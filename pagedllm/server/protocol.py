@@ -17,31 +17,31 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pagedllm.server.strict import StrictModel
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
+    include_obfuscation: bool | None = None  # OpenAI's padding of chunks; none is sent here
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsFields(_Strict):
+class StructuredOutputsFields(StrictModel):
     """vLLM's ``structured_outputs`` request field (``pagedllm.StructuredOutputsParams``)."""
 
     json_: str | dict[str, Any] | None = Field(default=None, alias="json")
@@ -54,7 +54,7 @@ class StructuredOutputsFields(_Strict):
     whitespace_pattern: str | None = None
 
 
-class SamplingFields(_Strict):
+class SamplingFields(StrictModel):
     """Fields shared by completions and chat completions (OpenAI names plus vLLM extras)."""
 
     model_config = ConfigDict(strict=True, extra="allow")  # judged by server.fields
@@ -129,35 +129,35 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-class ContentPart(_Strict):
+class ContentPart(StrictModel):
     type: str
     text: str | None = None
 
 
-class FunctionDef(_Strict):
+class FunctionDef(StrictModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDef(_Strict):
+class ToolDef(StrictModel):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     # undeclared keys are judged by server.tools.messages_for_template (clients replaying a
     # response message send its null fields: refusal, audio, ...)
     model_config = ConfigDict(strict=True, extra="allow")
@@ -197,7 +197,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     """``/tokenize``: either ``prompt`` (completions) or ``messages`` (chat), as vLLM takes them."""
 
     model_config = ConfigDict(json_schema_extra={"examples": [
@@ -213,7 +213,7 @@ class TokenizeRequest(_Strict):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     model_config = ConfigDict(json_schema_extra={"examples": [{"tokens": [5, 6, 7]}]})
 
     model: str | None = None

@@ -62,21 +62,44 @@ def _token_text(tid: int, x: Any) -> str:
     return x.decoded_token if x is not None and x.decoded_token is not None else f"<token {tid}>"
 
 
+def _add_position(lp: CompletionLogProbs, tid: int, pos: dict[int, Any] | None, k: int,
+                  offset: int) -> int:
+    """One token of OpenAI's completion logprobs; the offset of the next."""
+    chosen = pos.get(tid) if pos is not None else None
+    tok = _token_text(tid, chosen)
+    lp.tokens.append(tok)
+    lp.token_logprobs.append(_lp(chosen.logprob) if chosen is not None else None)
+    lp.top_logprobs.append(None if pos is None else {
+        (x.decoded_token or _token_text(t, None)): _lp(x.logprob) for t, x in _ranked(pos, k)})
+    lp.text_offset.append(offset)
+    return offset + len(tok)
+
+
 def completion_logprobs(c: CompletionOutput, start: int, end: int, k: int,
-                         offset: int) -> CompletionLogProbs | None:
+                        offset: int) -> CompletionLogProbs | None:
     if c.logprobs is None:
         return None
     out = CompletionLogProbs()
     for tid, pos in zip(c.token_ids[start:end], c.logprobs[start:end]):
-        chosen = pos.get(tid)
-        tok = _token_text(tid, chosen)
-        out.tokens.append(tok)
-        out.token_logprobs.append(_lp(chosen.logprob) if chosen is not None else None)
-        out.top_logprobs.append({(x.decoded_token or _token_text(t, None)): _lp(x.logprob)
-                                 for t, x in _ranked(pos, k)})
-        out.text_offset.append(offset)
-        offset += len(tok)
+        offset = _add_position(out, tid, pos, k, offset)
     return out
+
+
+def echo_logprobs(out: RequestOutput, first_token: str, k: int,
+                  generated: CompletionOutput | None) -> CompletionLogProbs:
+    """OpenAI's logprobs of an echoed prompt (``echo`` with ``logprobs``), from the engine's
+    prompt logprobs: the prompt's tokens, the first with null logprobs (nothing precedes it),
+    then the ``generated`` tokens, if any; ``text_offset`` counts characters of the echo."""
+    lp = CompletionLogProbs(tokens=[first_token], token_logprobs=[None], top_logprobs=[None],
+                            text_offset=[0])
+    offset = len(first_token)
+    positions = out.prompt_logprobs or []
+    for tid, pos in zip(out.prompt_token_ids[1:], positions[1:]):
+        offset = _add_position(lp, tid, pos, k, offset)
+    if generated is not None and generated.logprobs is not None:
+        for tid, pos in zip(generated.token_ids, generated.logprobs):
+            offset = _add_position(lp, tid, pos, k, offset)
+    return lp
 
 
 def chat_logprobs(c: CompletionOutput, start: int, end: int, k: int) -> ChatLogprobs | None:
@@ -94,13 +117,16 @@ def chat_logprobs(c: CompletionOutput, start: int, end: int, k: int) -> ChatLogp
     return ChatLogprobs(content=content)
 
 
-def vllm_prompt_logprobs(out: RequestOutput) -> PromptLogprobs | None:
-    """vLLM's ``prompt_logprobs``: per prompt position, token id -> logprob, rank, text."""
+def vllm_prompt_logprobs(out: RequestOutput, k: int | None = None) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs``: per prompt position, token id -> logprob, rank, text (with
+    ``k``: the prompt's token and those of rank <= k, when the engine was asked for more)."""
     if out.prompt_logprobs is None:
         return None
     return [None if pos is None else {
         str(t): PromptLogprob(logprob=_lp(x.logprob), rank=x.rank, decoded_token=x.decoded_token)
-        for t, x in pos.items()} for pos in out.prompt_logprobs]
+        for t, x in pos.items()
+        if k is None or t == tid or (x.rank is not None and x.rank <= k)}
+        for tid, pos in zip(out.prompt_token_ids, out.prompt_logprobs)]
 
 
 def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
@@ -128,7 +154,7 @@ class _Chunks:
         return []
 
     def choice(self, out: RequestOutput, c: CompletionOutput, offset: int,
-               first: bool) -> BaseModel:
+               first: bool, usage: UsageInfo | None = None) -> BaseModel:
         raise NotImplementedError
 
     def usage(self, usage: UsageInfo) -> BaseModel:
@@ -146,7 +172,7 @@ class CompletionChunks(_Chunks):
                                   choices=choices, usage=usage)
 
     def choice(self, out: RequestOutput, c: CompletionOutput, offset: int,
-               first: bool) -> BaseModel:
+               first: bool, usage: UsageInfo | None = None) -> BaseModel:
         p = self.index_of[out.request_id]
         text = c.text
         if first and self.echo is not None:
@@ -156,7 +182,7 @@ class CompletionChunks(_Chunks):
             lp = completion_logprobs(c, 0, len(c.token_ids), self.logprobs, offset)
         return self._response([CompletionChoice(index=p * self.n + c.index, text=text, logprobs=lp,
                                                 finish_reason=c.finish_reason,
-                                                stop_reason=c.stop_reason)])
+                                                stop_reason=c.stop_reason)], usage)
 
     def usage(self, usage: UsageInfo) -> BaseModel:
         return self._response([], usage)
@@ -180,7 +206,7 @@ class ChatChunks(_Chunks):
                              for i in range(self.n)])]
 
     def choice(self, out: RequestOutput, c: CompletionOutput, offset: int,
-               first: bool) -> BaseModel:
+               first: bool, usage: UsageInfo | None = None) -> BaseModel:
         lp = chat_logprobs(c, 0, len(c.token_ids), self.k) if self.k is not None else None
         if self.plan is None:
             delta, reason = DeltaMessage(content=c.text), c.finish_reason
@@ -190,16 +216,17 @@ class ChatChunks(_Chunks):
             delta = DeltaMessage(content=content, tool_calls=calls)
             reason = tool_finish_reason(self.plan, c.finish_reason, [None] * ts.calls)
         return self._chunk([ChatChunkChoice(index=c.index, delta=delta, logprobs=lp,
-                                            finish_reason=reason)])
+                                            finish_reason=reason)], usage)
 
     def usage(self, usage: UsageInfo) -> BaseModel:
         return self._chunk([], usage)
 
 
 async def stream_deltas(srv: ServerState, stream: OutputStream, chunks: _Chunks,
-                        include_usage: bool) -> AsyncIterator[str]:
+                        include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
     """The SSE body of a streamed request, from the engine's DELTA outputs: each delta of a
-    choice is one chunk, then the usage (if asked), then ``[DONE]``."""
+    choice is one chunk (with the usage so far, with ``continuous_usage``), then the usage (if
+    asked), then ``[DONE]``."""
     sent: dict[tuple[str, int], int] = {}  # (request, choice) -> characters sent
     prompt_tokens: dict[str, int] = {}
     completion_tokens = 0
@@ -214,9 +241,11 @@ async def stream_deltas(srv: ServerState, stream: OutputStream, chunks: _Chunks,
             for c in out.outputs:
                 key = (out.request_id, c.index)
                 offset = sent.get(key)
-                yield _sse(chunks.choice(out, c, offset or 0, offset is None))
-                sent[key] = (offset or 0) + len(c.text)
                 completion_tokens += len(c.token_ids)
+                usage = (usage_info(sum(prompt_tokens.values()), completion_tokens)
+                         if continuous_usage else None)
+                yield _sse(chunks.choice(out, c, offset or 0, offset is None, usage))
+                sent[key] = (offset or 0) + len(c.text)
         if include_usage:
             yield _sse(chunks.usage(usage_info(sum(prompt_tokens.values()), completion_tokens)))
         yield "data: [DONE]\n\n"

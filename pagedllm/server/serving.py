@@ -58,11 +58,12 @@ class ServerLimits:
     max_tokens: int | None = ServerArgs.max_tokens_limit  # None: max_model_len
     max_prompt_tokens: int | None = ServerArgs.max_prompt_tokens  # None: max_model_len - 1
     max_prompts: int = ServerArgs.max_prompts  # prompts in one /v1/completions batch
+    max_logprobs: int = ServerArgs.max_logprobs  # logprobs, top_logprobs, prompt_logprobs
 
     @classmethod
     def from_args(cls, a: ServerArgs) -> ServerLimits:
         return cls(a.max_request_bytes, a.max_n, a.max_tokens_limit, a.max_prompt_tokens,
-                   a.max_prompts)
+                   a.max_prompts, a.max_logprobs)
 
 
 class APIError(Exception):
@@ -242,7 +243,10 @@ class ServerState:
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, max_tokens_field: str,
                         logprobs: int | None, logprobs_field: str,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                        structured: StructuredOutputsParams | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """``prompt_logprobs``: what the endpoint needs of the prompt besides the request's own
+        ``prompt_logprobs`` (an echo's logprobs); the engine computes the larger."""
         lim = self.limits
         if req.n > lim.max_n:
             raise APIError(400, f"n={req.n} exceeds this server's limit of {lim.max_n} (--max-n)", param="n")
@@ -252,6 +256,10 @@ class ServerState:
                            param=max_tokens_field)
         if max_tokens is None and lim.max_tokens is not None:
             max_tokens = cap
+        for name, k in ((logprobs_field, logprobs), ("prompt_logprobs", req.prompt_logprobs)):
+            if k is not None and k > lim.max_logprobs:
+                raise APIError(400, f"{name}={k} exceeds this server's limit of {lim.max_logprobs} "
+                               f"(--max-logprobs)", param=name)
         if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
             raise APIError(400, f"seed={req.seed} is invalid; must be in [0, {MAX_SEED}]", param="seed")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -279,7 +287,8 @@ class ServerState:
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
-            prompt_logprobs=req.prompt_logprobs,
+            prompt_logprobs=max((k for k in (req.prompt_logprobs, prompt_logprobs) if k is not None),
+                                default=None),
             logit_bias=req.logit_bias or None,
             allowed_token_ids=req.allowed_token_ids,
             structured_outputs=structured,

@@ -84,8 +84,10 @@ async def chat_completions(request: Request, srv: State, options: Options) -> Re
     stream, ids = await srv.submit(rid, [prompt], params, req, "messages")
     log_request(options, rid, "/v1/chat/completions", params)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        gen = stream_deltas(srv, stream, ChatChunks(srv, rid, req.n, k, plan), include_usage)
+        so_opts = req.stream_options
+        gen = stream_deltas(srv, stream, ChatChunks(srv, rid, req.n, k, plan),
+                            bool(so_opts and so_opts.include_usage),
+                            bool(so_opts and so_opts.continuous_usage_stats))
         return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         final = await srv.collect(request, stream, rid)

@@ -1,5 +1,9 @@
 """``/v1/completions``: a prompt (text, token ids, or a batch of either) -> n choices each,
-streamed or whole."""
+streamed or whole.
+
+``echo`` with ``logprobs`` returns the prompt's logprobs in OpenAI's shape (the engine's prompt
+logprobs; what lm-eval's loglikelihood tasks read), and ``max_tokens: 0`` with ``echo`` returns
+the prompt alone: the engine runs one token (its minimum) that the answer leaves out."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from pagedllm.engine.client import FrontEnd
 from pagedllm.server.fields import check_extras, structured_outputs
 from pagedllm.server.openapi import GENERATE, answers, request_body
 from pagedllm.server.prompts import Budget, completion_prompts
@@ -16,6 +21,7 @@ from pagedllm.server.responses import (
     SSE_HEADERS,
     CompletionChunks,
     completion_logprobs,
+    echo_logprobs,
     stream_deltas,
     usage_info,
     vllm_prompt_logprobs,
@@ -27,7 +33,7 @@ from pagedllm.server.routes.common import (
     log_request,
     no_streamed_prompt_logprobs,
 )
-from pagedllm.server.serving import APIError, ClientGone, read_json, validate_body
+from pagedllm.server.serving import APIError, ClientGone, ServerState, read_json, validate_body
 
 router = APIRouter(prefix="/v1", dependencies=AUTH)
 
@@ -43,40 +49,72 @@ async def completions(request: Request, srv: State, options: Options) -> Respons
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported", param="echo")
+    echo_lp = req.logprobs if req.echo else None  # the prompt's logprobs, OpenAI's shape
+    prompt_only = req.max_tokens == 0
+    if prompt_only and not req.echo:
+        raise APIError(400, "max_tokens=0 returns the prompt alone: send it with echo=true",
+                       param="max_tokens")
+    if req.stream and (echo_lp is not None or prompt_only):
+        raise APIError(400, "echo with logprobs, and max_tokens=0, are not available when "
+                       "streaming; send stream=false", param="echo")
     no_streamed_prompt_logprobs(req)
     so, so_field = structured_outputs(req)
-    params = srv.sampling_params(req, req.max_tokens, "max_tokens", req.logprobs, "logprobs", so)
+    max_tokens = 1 if prompt_only else req.max_tokens
+    params = srv.sampling_params(req, max_tokens, "max_tokens", req.logprobs, "logprobs", so,
+                                 prompt_logprobs=echo_lp)
     await srv.check_grammar(so, so_field)
-    texts, prompts = completion_prompts(srv, req.prompt, Budget(req.max_tokens))
+    texts, prompts = completion_prompts(srv, req.prompt, Budget(max_tokens))
     rid = f"cmpl-{uuid.uuid4().hex}"
     stream, ids = await srv.submit(rid, prompts, params, req, "prompt")
     log_request(options, rid, "/v1/completions", params)
     index_of = {r: i for i, r in enumerate(ids)}
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        so_opts = req.stream_options
         chunks = CompletionChunks(srv, rid, index_of, req.n, texts if req.echo else None,
                                   req.logprobs)
-        gen = stream_deltas(srv, stream, chunks, include_usage)
+        gen = stream_deltas(srv, stream, chunks, bool(so_opts and so_opts.include_usage),
+                            bool(so_opts and so_opts.continuous_usage_stats))
         return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         final = await srv.collect(request, stream, rid)
     except ClientGone:
         return Response(status_code=499)
+    outs = [final[r] for r in ids]
+    firsts: list[str] = []
+    if req.echo:
+        texts, firsts = await _echoed(srv, texts, [o.prompt_token_ids for o in outs])
     choices, prompt_tokens, completion_tokens = [], 0, 0
-    for r, p in index_of.items():
-        out = final[r]
+    for p, out in enumerate(outs):
         prompt_tokens += len(out.prompt_token_ids)
         for c in out.outputs:
+            if prompt_only:
+                c.text, c.token_ids, c.logprobs, c.stop_reason = "", [], None, None
             completion_tokens += len(c.token_ids)
             lp = None
-            if req.logprobs is not None:
+            if echo_lp is not None:
+                lp = echo_logprobs(out, firsts[p], echo_lp, None if prompt_only else c)
+            elif req.logprobs is not None:
                 lp = completion_logprobs(c, 0, len(c.token_ids), req.logprobs, 0)
             text = (texts[p] if req.echo else "") + c.text
+            prompt_lps = (vllm_prompt_logprobs(out, req.prompt_logprobs)
+                          if req.prompt_logprobs is not None else None)
             choices.append(CompletionChoice(index=p * req.n + c.index, text=text, logprobs=lp,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                            prompt_logprobs=vllm_prompt_logprobs(out)))
+                                            prompt_logprobs=prompt_lps))
     resp = CompletionResponse(id=rid, model=srv.model_name, choices=choices,
                               usage=usage_info(prompt_tokens, completion_tokens))
     return Response(resp.model_dump_json(), media_type="application/json")
+
+
+async def _echoed(srv: ServerState, texts: list[str],
+                  prompt_ids: list[list[int]]) -> tuple[list[str], list[str]]:
+    """(the echo of each prompt: its text as sent, or its ids decoded; the text of each prompt's
+    first token), on the tokenizer thread."""
+
+    def run(engine: FrontEnd) -> tuple[list[str], list[str]]:
+        tok = engine.tokenizer
+        echo = [t if t or not ids else str(tok.decode(ids)) for t, ids in zip(texts, prompt_ids)]
+        return echo, [str(tok.decode(ids[:1])) for ids in prompt_ids]
+
+    result: tuple[list[str], list[str]] = await srv.async_engine.run_on_tokenizer_thread(run)
+    return result
