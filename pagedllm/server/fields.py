@@ -37,9 +37,9 @@ AT_DEFAULT: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
     "bad_words": [], "return_tokens_as_token_ids": False, "return_token_ids": False,
     "echo": False, "continue_final_message": False, "documents": None,
-    "truncate_prompt_tokens": None, "watermarking": None, "logprob_token_ids": None,
+    "watermarking": None, "logprob_token_ids": None,
     "structural_tag": None, "reasoning_effort": None, "thinking_token_budget": None,
-    "include_reasoning": True, "request_id": None,
+    "include_reasoning": True,
 }
 _HINTS = {
     "use_beam_search": "beam search runs offline only (LLM.beam_search)",

@@ -21,6 +21,10 @@ class Budget:
 
     max_tokens: int | None
     field: str = "max_tokens"
+    truncate: int | None = None  # truncate_prompt_tokens: only the prompt's last k tokens run
+
+    def cut(self, ids: list[int]) -> list[int]:
+        return ids if self.truncate is None else ids[-self.truncate:]
 
 
 def _check_prompt(srv: ServerState, ids: list[int], param: str, budget: Budget) -> None:
@@ -67,7 +71,7 @@ def completion_prompts(srv: ServerState, prompt: str | list[str] | list[int] | l
 
 def _text_prompt(srv: ServerState, text: str, budget: Budget) -> PromptSource:
     def prepare(engine: FrontEnd) -> PromptType:
-        ids = engine.tokenizer.encode(text)
+        ids = budget.cut(engine.tokenizer.encode(text))
         _check_prompt(srv, ids, "prompt", budget)
         return {"prompt_token_ids": ids}
 
@@ -76,8 +80,9 @@ def _text_prompt(srv: ServerState, text: str, budget: Budget) -> PromptSource:
 
 def _ids_prompt(srv: ServerState, ids: list[int], budget: Budget) -> PromptSource:
     def prepare(engine: FrontEnd) -> PromptType:
-        _check_prompt(srv, ids, "prompt", budget)
-        return {"prompt_token_ids": ids}
+        kept = budget.cut(ids)
+        _check_prompt(srv, kept, "prompt", budget)
+        return {"prompt_token_ids": kept}
 
     return prepare
 
@@ -86,7 +91,7 @@ def chat_prompt(srv: ServerState, messages: list[dict[str, Any]], budget: Budget
                  **render: Any) -> PromptSource:
     """``render``: ``pagedllm.chat.render_chat``'s keywords (tools, template, its kwargs)."""
     def prepare(engine: FrontEnd) -> PromptType:
-        ids = render_chat(engine.tokenizer, messages, **render)
+        ids = budget.cut(render_chat(engine.tokenizer, messages, **render))
         _check_prompt(srv, ids, "messages", budget)
         return {"prompt_token_ids": ids}
 

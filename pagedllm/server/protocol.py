@@ -83,6 +83,8 @@ class SamplingFields(StrictModel):
     priority: int = 0
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # keep the prompt's last k
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)  # the response's id
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and older guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None

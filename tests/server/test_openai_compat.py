@@ -167,3 +167,25 @@ def test_serve_command_line(capsys: pytest.CaptureFixture[str]) -> None:
         "http://a", "http://b"]
     with pytest.raises(ValueError, match="--allowed-origins"):
         origins('[1, 2]')
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server: ServerThread) -> None:
+    body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    cut = _post(server, "/v1/completions", {**body, "prompt": IDS, "truncate_prompt_tokens": 3,
+                                            "echo": True}).json()
+    last = _post(server, "/v1/completions", {**body, "prompt": IDS[-3:]}).json()
+    assert cut["usage"]["prompt_tokens"] == 3
+    assert cut["choices"][0]["text"] == " ".join(f"t{i}" for i in IDS[-3:]) + last["choices"][0]["text"]
+    chat = {**body, "messages": [{"role": "user", "content": "t5 t6 t7 t8 t9"}]}
+    r = _post(server, "/v1/chat/completions", {**chat, "truncate_prompt_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2
+    r = _post(server, "/v1/completions", {**body, "prompt": "t5", "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_request_id_names_the_response(server: ServerThread) -> None:
+    for path, body in (("/v1/completions", {"prompt": "t5"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "t5"}]})):
+        for _ in range(2):  # the same id twice: the engine's ids stay apart
+            r = _post(server, path, {**body, "max_tokens": 2, "request_id": "mine-1"})
+            assert r.status_code == 200 and r.json()["id"] == "mine-1", r.text

@@ -3,8 +3,6 @@ calling (``server.tools``) and structured outputs, streamed or whole."""
 
 from __future__ import annotations
 
-import uuid
-
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -33,6 +31,7 @@ from pagedllm.server.routes.common import (
     State,
     log_request,
     no_streamed_prompt_logprobs,
+    request_ids,
 )
 from pagedllm.server.serving import APIError, ClientGone, read_json, validate_body
 from pagedllm.server.tools import (
@@ -75,13 +74,13 @@ async def chat_completions(request: Request, srv: State, options: Options) -> Re
         check_chat_template_kwargs(req.chat_template_kwargs)
     except ValueError as e:
         raise APIError(400, str(e), param="chat_template_kwargs") from None
-    prompt = chat_prompt(srv, messages, Budget(max_tokens, max_field),
+    prompt = chat_prompt(srv, messages, Budget(max_tokens, max_field, req.truncate_prompt_tokens),
                          add_generation_prompt=req.add_generation_prompt,
                          tools=plan.tools if plan is not None else None,
                          chat_template=options.chat_template,
                          chat_template_kwargs=req.chat_template_kwargs)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream, ids = await srv.submit(rid, [prompt], params, req, "messages")
+    rid, base = request_ids(req, "chatcmpl")
+    stream, ids = await srv.submit(base, [prompt], params, req, "messages")
     log_request(options, rid, "/v1/chat/completions", params)
     if req.stream:
         so_opts = req.stream_options

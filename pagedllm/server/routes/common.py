@@ -4,6 +4,7 @@ the checks two endpoints share."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -58,3 +59,12 @@ def no_streamed_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) 
 def log_request(options: RouteOptions, rid: str, endpoint: str, params: object) -> None:
     if options.log_requests:
         logger.info("request %s %s: %s", rid, endpoint, params)
+
+
+def request_ids(req: CompletionRequest | ChatCompletionRequest, prefix: str) -> tuple[str, str]:
+    """(the response's id: the request's ``request_id`` or a fresh one; the engine's base id,
+    unique even when two requests send the same ``request_id``)."""
+    fresh = uuid.uuid4().hex
+    if req.request_id is None:
+        return f"{prefix}-{fresh}", f"{prefix}-{fresh}"
+    return req.request_id, f"{req.request_id}-{fresh[:12]}"

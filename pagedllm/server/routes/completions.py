@@ -7,8 +7,6 @@ the prompt alone: the engine runs one token (its minimum) that the answer leaves
 
 from __future__ import annotations
 
-import uuid
-
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -32,6 +30,7 @@ from pagedllm.server.routes.common import (
     State,
     log_request,
     no_streamed_prompt_logprobs,
+    request_ids,
 )
 from pagedllm.server.serving import APIError, ClientGone, ServerState, read_json, validate_body
 
@@ -54,18 +53,20 @@ async def completions(request: Request, srv: State, options: Options) -> Respons
     if prompt_only and not req.echo:
         raise APIError(400, "max_tokens=0 returns the prompt alone: send it with echo=true",
                        param="max_tokens")
-    if req.stream and (echo_lp is not None or prompt_only):
-        raise APIError(400, "echo with logprobs, and max_tokens=0, are not available when "
-                       "streaming; send stream=false", param="echo")
+    if req.stream and req.echo and (echo_lp is not None or prompt_only
+                                    or req.truncate_prompt_tokens is not None):
+        raise APIError(400, "echo with logprobs, max_tokens=0 or truncate_prompt_tokens is not "
+                       "available when streaming; send stream=false", param="echo")
     no_streamed_prompt_logprobs(req)
     so, so_field = structured_outputs(req)
     max_tokens = 1 if prompt_only else req.max_tokens
     params = srv.sampling_params(req, max_tokens, "max_tokens", req.logprobs, "logprobs", so,
                                  prompt_logprobs=echo_lp)
     await srv.check_grammar(so, so_field)
-    texts, prompts = completion_prompts(srv, req.prompt, Budget(max_tokens))
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    stream, ids = await srv.submit(rid, prompts, params, req, "prompt")
+    texts, prompts = completion_prompts(srv, req.prompt,
+                                        Budget(max_tokens, truncate=req.truncate_prompt_tokens))
+    rid, base = request_ids(req, "cmpl")
+    stream, ids = await srv.submit(base, prompts, params, req, "prompt")
     log_request(options, rid, "/v1/completions", params)
     index_of = {r: i for i, r in enumerate(ids)}
     if req.stream:
@@ -82,7 +83,8 @@ async def completions(request: Request, srv: State, options: Options) -> Respons
     outs = [final[r] for r in ids]
     firsts: list[str] = []
     if req.echo:
-        texts, firsts = await _echoed(srv, texts, [o.prompt_token_ids for o in outs])
+        sent = texts if req.truncate_prompt_tokens is None else [""] * len(texts)  # decode the cut
+        texts, firsts = await _echoed(srv, sent, [o.prompt_token_ids for o in outs])
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for p, out in enumerate(outs):
         prompt_tokens += len(out.prompt_token_ids)
