@@ -85,6 +85,7 @@ class SamplingFields(StrictModel):
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # keep the prompt's last k
     request_id: str | None = Field(default=None, min_length=1, max_length=256)  # the response's id
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>"
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and older guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None

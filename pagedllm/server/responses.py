@@ -56,62 +56,72 @@ def _ranked(pos: dict[int, Any], k: int) -> list[tuple[int, Any]]:
                   key=lambda i: i[1].rank)
 
 
-def _token_text(tid: int, x: Any) -> str:
+def _token_text(tid: int, x: Any, as_ids: bool = False) -> str:
     """A Logprob's text (the engine always fills ``decoded_token``; a placeholder otherwise —
-    the tokenizer is only used on the engine thread)."""
+    the tokenizer is only used on the engine thread); ``as_ids``: vLLM's
+    ``return_tokens_as_token_ids``, ``token_id:<id>``."""
+    if as_ids:
+        return f"token_id:{tid}"
     return x.decoded_token if x is not None and x.decoded_token is not None else f"<token {tid}>"
 
 
+def _top_text(tid: int, x: Any, as_ids: bool) -> str:
+    return _token_text(tid, None, as_ids) if as_ids or not x.decoded_token else str(x.decoded_token)
+
+
 def _add_position(lp: CompletionLogProbs, tid: int, pos: dict[int, Any] | None, k: int,
-                  offset: int) -> int:
+                  offset: int, as_ids: bool) -> int:
     """One token of OpenAI's completion logprobs; the offset of the next."""
     chosen = pos.get(tid) if pos is not None else None
-    tok = _token_text(tid, chosen)
+    tok = _token_text(tid, chosen, as_ids)
     lp.tokens.append(tok)
     lp.token_logprobs.append(_lp(chosen.logprob) if chosen is not None else None)
     lp.top_logprobs.append(None if pos is None else {
-        (x.decoded_token or _token_text(t, None)): _lp(x.logprob) for t, x in _ranked(pos, k)})
+        _top_text(t, x, as_ids): _lp(x.logprob) for t, x in _ranked(pos, k)})
     lp.text_offset.append(offset)
     return offset + len(tok)
 
 
 def completion_logprobs(c: CompletionOutput, start: int, end: int, k: int,
-                        offset: int) -> CompletionLogProbs | None:
+                        offset: int, as_ids: bool = False) -> CompletionLogProbs | None:
     if c.logprobs is None:
         return None
     out = CompletionLogProbs()
     for tid, pos in zip(c.token_ids[start:end], c.logprobs[start:end]):
-        offset = _add_position(out, tid, pos, k, offset)
+        offset = _add_position(out, tid, pos, k, offset, as_ids)
     return out
 
 
 def echo_logprobs(out: RequestOutput, first_token: str, k: int,
-                  generated: CompletionOutput | None) -> CompletionLogProbs:
+                  generated: CompletionOutput | None, as_ids: bool = False) -> CompletionLogProbs:
     """OpenAI's logprobs of an echoed prompt (``echo`` with ``logprobs``), from the engine's
     prompt logprobs: the prompt's tokens, the first with null logprobs (nothing precedes it),
     then the ``generated`` tokens, if any; ``text_offset`` counts characters of the echo."""
+    if as_ids:
+        first_token = _token_text(out.prompt_token_ids[0], None, as_ids)
     lp = CompletionLogProbs(tokens=[first_token], token_logprobs=[None], top_logprobs=[None],
                             text_offset=[0])
     offset = len(first_token)
     positions = out.prompt_logprobs or []
     for tid, pos in zip(out.prompt_token_ids[1:], positions[1:]):
-        offset = _add_position(lp, tid, pos, k, offset)
+        offset = _add_position(lp, tid, pos, k, offset, as_ids)
     if generated is not None and generated.logprobs is not None:
         for tid, pos in zip(generated.token_ids, generated.logprobs):
-            offset = _add_position(lp, tid, pos, k, offset)
+            offset = _add_position(lp, tid, pos, k, offset, as_ids)
     return lp
 
 
-def chat_logprobs(c: CompletionOutput, start: int, end: int, k: int) -> ChatLogprobs | None:
+def chat_logprobs(c: CompletionOutput, start: int, end: int, k: int,
+                  as_ids: bool = False) -> ChatLogprobs | None:
     if c.logprobs is None:
         return None
     content = []
     for tid, pos in zip(c.token_ids[start:end], c.logprobs[start:end]):
         chosen = pos.get(tid)
-        tok = _token_text(tid, chosen)
-        top = [TopLogprob(token=x.decoded_token or "", logprob=_lp(x.logprob),
-                          bytes=list((x.decoded_token or "").encode()))
-               for _, x in _ranked(pos, k)]
+        tok = _token_text(tid, chosen, as_ids)
+        tops = [(_token_text(t, x, True) if as_ids else x.decoded_token or "", x)
+                for t, x in _ranked(pos, k)]
+        top = [TopLogprob(token=t, logprob=_lp(x.logprob), bytes=list(t.encode())) for t, x in tops]
         content.append(ChatTokenLogprob(token=tok, logprob=_lp(chosen.logprob) if chosen else LOGPROB_FLOOR,
                                         bytes=list(tok.encode()), top_logprobs=top))
     return ChatLogprobs(content=content)
@@ -163,9 +173,10 @@ class _Chunks:
 
 class CompletionChunks(_Chunks):
     def __init__(self, srv: ServerState, rid: str, index_of: dict[str, int], n: int,
-                 echo: list[str] | None, logprobs: int | None) -> None:
+                 echo: list[str] | None, logprobs: int | None, as_ids: bool = False) -> None:
         super().__init__(srv, rid)
         self.index_of, self.n, self.echo, self.logprobs = index_of, n, echo, logprobs
+        self.as_ids = as_ids
 
     def _response(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> BaseModel:
         return CompletionResponse(id=self.rid, created=self.created, model=self.srv.model_name,
@@ -179,7 +190,7 @@ class CompletionChunks(_Chunks):
             text = self.echo[p] + text
         lp = None
         if self.logprobs is not None:
-            lp = completion_logprobs(c, 0, len(c.token_ids), self.logprobs, offset)
+            lp = completion_logprobs(c, 0, len(c.token_ids), self.logprobs, offset, self.as_ids)
         return self._response([CompletionChoice(index=p * self.n + c.index, text=text, logprobs=lp,
                                                 finish_reason=c.finish_reason,
                                                 stop_reason=c.stop_reason)], usage)
@@ -192,9 +203,9 @@ class ChatChunks(_Chunks):
     """``plan``: the request's tool calling (``server.tools``), read from each choice's text."""
 
     def __init__(self, srv: ServerState, rid: str, n: int, k: int | None,
-                 plan: ToolPlan | None = None) -> None:
+                 plan: ToolPlan | None = None, as_ids: bool = False) -> None:
         super().__init__(srv, rid)
-        self.n, self.k, self.plan = n, k, plan
+        self.n, self.k, self.plan, self.as_ids = n, k, plan, as_ids
         self.tools: dict[int, ToolStream] = {}
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> BaseModel:
@@ -207,7 +218,8 @@ class ChatChunks(_Chunks):
 
     def choice(self, out: RequestOutput, c: CompletionOutput, offset: int,
                first: bool, usage: UsageInfo | None = None) -> BaseModel:
-        lp = chat_logprobs(c, 0, len(c.token_ids), self.k) if self.k is not None else None
+        lp = (chat_logprobs(c, 0, len(c.token_ids), self.k, self.as_ids) if self.k is not None
+              else None)
         if self.plan is None:
             delta, reason = DeltaMessage(content=c.text), c.finish_reason
         else:

@@ -189,3 +189,19 @@ def test_request_id_names_the_response(server: ServerThread) -> None:
         for _ in range(2):  # the same id twice: the engine's ids stay apart
             r = _post(server, path, {**body, "max_tokens": 2, "request_id": "mine-1"})
             assert r.status_code == 200 and r.json()["id"] == "mine-1", r.text
+
+
+def test_return_tokens_as_token_ids(server: ServerThread) -> None:
+    body = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": 2,
+            "return_tokens_as_token_ids": True}
+    r = _post(server, "/v1/completions", {**body, "prompt": IDS, "echo": True}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert lp["tokens"][:len(IDS)] == [f"token_id:{i}" for i in IDS]
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"][1:] for k in top)
+    words = r["choices"][0]["text"].split()[len(IDS):]  # the word tokenizer: "t17" is id 17
+    assert lp["tokens"][len(IDS):] == [f"token_id:{w[1:]}" for w in words]
+    chat = {**body, "logprobs": True, "top_logprobs": 1,
+            "messages": [{"role": "user", "content": "t5"}]}
+    content = _post(server, "/v1/chat/completions", chat).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(c["token"].startswith("token_id:") for c in content)
+    assert all(t["token"].startswith("token_id:") for c in content for t in c["top_logprobs"])

@@ -141,7 +141,7 @@ def test_a_bad_constraint_is_a_400_naming_it(rand: ServerThread, extra: dict[str
 # change no output here, server.fields.WARNED, are accepted: test_openai_compat)
 UNSUPPORTED = {"use_beam_search": True, "length_penalty": 0.5, "bad_words": ["x"],
                "spaces_between_special_tokens": False,
-               "return_tokens_as_token_ids": True, "echo": True,
+               "echo": True,
                "documents": [{"title": "t"}], "reasoning_effort": "low",
                "no_such_field": 1, "audio": {"voice": "x"},
                "modalities": ["audio"]}

@@ -84,7 +84,7 @@ async def chat_completions(request: Request, srv: State, options: Options) -> Re
     log_request(options, rid, "/v1/chat/completions", params)
     if req.stream:
         so_opts = req.stream_options
-        gen = stream_deltas(srv, stream, ChatChunks(srv, rid, req.n, k, plan),
+        gen = stream_deltas(srv, stream, ChatChunks(srv, rid, req.n, k, plan, req.return_tokens_as_token_ids),
                             bool(so_opts and so_opts.include_usage),
                             bool(so_opts and so_opts.continuous_usage_stats))
         return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -95,7 +95,8 @@ async def chat_completions(request: Request, srv: State, options: Options) -> Re
     out = final[ids[0]]
     choices = []
     for c in out.outputs:
-        lp = chat_logprobs(c, 0, len(c.token_ids), k) if k is not None else None
+        lp = (chat_logprobs(c, 0, len(c.token_ids), k, req.return_tokens_as_token_ids)
+              if k is not None else None)
         content, calls = (c.text, []) if plan is None else parse_tool_calls(plan, c.text)
         choices.append(ChatChoice(
             index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),

@@ -72,7 +72,7 @@ async def completions(request: Request, srv: State, options: Options) -> Respons
     if req.stream:
         so_opts = req.stream_options
         chunks = CompletionChunks(srv, rid, index_of, req.n, texts if req.echo else None,
-                                  req.logprobs)
+                                  req.logprobs, req.return_tokens_as_token_ids)
         gen = stream_deltas(srv, stream, chunks, bool(so_opts and so_opts.include_usage),
                             bool(so_opts and so_opts.continuous_usage_stats))
         return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -94,9 +94,11 @@ async def completions(request: Request, srv: State, options: Options) -> Respons
             completion_tokens += len(c.token_ids)
             lp = None
             if echo_lp is not None:
-                lp = echo_logprobs(out, firsts[p], echo_lp, None if prompt_only else c)
+                lp = echo_logprobs(out, firsts[p], echo_lp, None if prompt_only else c,
+                                   req.return_tokens_as_token_ids)
             elif req.logprobs is not None:
-                lp = completion_logprobs(c, 0, len(c.token_ids), req.logprobs, 0)
+                lp = completion_logprobs(c, 0, len(c.token_ids), req.logprobs, 0,
+                                         req.return_tokens_as_token_ids)
             text = (texts[p] if req.echo else "") + c.text
             prompt_lps = (vllm_prompt_logprobs(out, req.prompt_logprobs)
                           if req.prompt_logprobs is not None else None)
