@@ -160,3 +160,47 @@ def test_server_modules_use_the_engine_client_only() -> None:
             if isinstance(node, ast.Attribute) and _reaches_in(node):
                 bad.append(f"{name}:{node.lineno} reads .{node.attr}")
     assert not bad, "the server reaches into the engine (use the EngineClient): " + "; ".join(bad)
+
+
+def _private_imports(path: Path, modules: dict[str, Path]) -> list[str]:
+    """``from pagedllm.x import _name`` of a private name of another pagedllm module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pagedllm"):
+            found += [f"{node.module}.{a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.endswith("__")
+                      and f"{node.module}.{a.name}" not in modules]
+    return found
+
+
+def test_server_modules_import_no_private_names() -> None:
+    modules = _modules()
+    bad = [f"{name} imports {what}" for name, path in modules.items()
+           if name.startswith("pagedllm.server") for what in _private_imports(path, modules)]
+    assert not bad, "a server module imports another module's private name: " + "; ".join(bad)
+
+
+def test_the_private_import_finder_finds_them(tmp_path: Path) -> None:
+    f = tmp_path / "m.py"
+    f.write_text("from pagedllm.server.serving import APIError, _Hidden\nimport pagedllm._env\n")
+    assert _private_imports(f, _modules()) == ["pagedllm.server.serving._Hidden"]
+
+
+# Engine packages the server may not import at all, but for the plain-data modules in them: the
+# per-step record the client hands on (sched.stats), the inspector's static page (kv.page).
+SERVER_FORBIDDEN_PACKAGES = ("pagedllm.sched", "pagedllm.kv", "pagedllm.runner",
+                             "pagedllm.executor", "pagedllm.engine.core")
+SERVER_ALLOWED_DATA = {"pagedllm.sched.stats", "pagedllm.kv.page", "pagedllm.kv.events"}
+
+
+def test_server_modules_import_no_engine_internals() -> None:
+    modules = _modules()
+    bad = []
+    for name, path in modules.items():
+        if not name.startswith("pagedllm.server"):
+            continue
+        for m in _imports(name, path, modules) - SERVER_ALLOWED_DATA:
+            if any(m == p or m.startswith(p + ".") or m.startswith(p + "_")
+                   for p in SERVER_FORBIDDEN_PACKAGES):
+                bad.append(f"{name} imports {m}")
+    assert not bad, "the server imports engine internals (use the EngineClient): " + "; ".join(bad)

@@ -53,7 +53,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pagedllm import __version__
+
     parser = ArgParser(prog="pagedllm", description="LLM inference on a paged KV cache")
+    parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one or more prompts, streamed to stdout")
@@ -83,7 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:  # parsing reads --config files, whose faults are ValueErrors too
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # the subcommand's usage names its own flags, not the top level's
+            sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
         return int(args.func(args))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

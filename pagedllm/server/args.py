@@ -36,6 +36,9 @@ class ServerArgs:
     max_prompt_tokens: int | None = setting(
         None, "longest prompt (default: max_model_len - 1)", group=S)
     max_prompts: int = setting(32, "prompts in one /v1/completions batch", group=S)
+    max_logprobs: int = setting(
+        20, "largest logprobs / top_logprobs / prompt_logprobs per request (the engine's cap is "
+        "20)", group=S)
     drain_timeout: float = setting(
         30.0, "seconds SIGTERM waits for in-flight requests; then they end with a 503 (streams: an "
         "error event and [DONE])", group=S)
@@ -55,8 +58,13 @@ class ServerArgs:
         group=S)
     enable_log_requests: bool = setting(
         False, "log each request's id, endpoint and sampling parameters", group=S)
-    log_level: str = setting("info", "uvicorn log level", group=S,
-                             choices=("critical", "error", "warning", "info", "debug"))
+    log_level: str = setting("info", "uvicorn log level", "--uvicorn-log-level", group=S,
+                             choices=("critical", "error", "warning", "info", "debug", "trace"))
+    allowed_origins: str | None = setting(
+        None, "CORS: the origins a browser page may call the API from, comma-separated or a JSON "
+        "list ('*': any); default: no CORS headers", group=S)
+    root_path: str = setting(
+        "", "the path prefix a proxy serves the app under (ASGI root_path), e.g. /llm", group=S)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

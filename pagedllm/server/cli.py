@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -37,6 +38,18 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def origins(value: str | None) -> list[str] | None:
+    """--allowed-origins: a JSON list (vLLM's form) or comma-separated origins."""
+    if value is None:
+        return None
+    if value.lstrip().startswith("["):
+        parsed = json.loads(value)
+        if not isinstance(parsed, list) or not all(isinstance(o, str) for o in parsed):
+            raise ValueError(f"--allowed-origins {value!r}: give a JSON list of origin strings")
+        return parsed
+    return [o.strip() for o in value.split(",") if o.strip()]
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine import LLMEngine
     from pagedllm.engine.client_mp import MPClient
@@ -46,6 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     check_vllm_flags(args)
     srv = ServerArgs.from_cli(args)
+    allowed_origins = origins(srv.allowed_origins)  # a bad list fails before any process starts
     engine_args = EngineArgs.from_cli(args)
     if args.model_pos is not None:
         engine_args = dataclasses.replace(engine_args, model=args.model_pos)
@@ -63,7 +77,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     disable_docs=srv.disable_fastapi_docs, kv_inspector=srv.kv_inspector,
                     kv_inspector_show_text=srv.kv_inspector_show_text,
                     tool_call_parser=srv.tool_call_parser,
-                    chat_template=srv.chat_template, log_requests=srv.enable_log_requests)
+                    chat_template=srv.chat_template, log_requests=srv.enable_log_requests,
+                    allowed_origins=allowed_origins)
     if srv.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {srv.host} without --api-key", flush=True)
     # SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to --drain-timeout,
@@ -79,7 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock.bind((srv.host, srv.port))
     host = f"[{srv.host}]" if ":" in srv.host else srv.host
     print(f"pagedllm serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True)
-    server = DrainingServer(app, srv.drain_timeout, log_level=srv.log_level)
+    server = DrainingServer(app, srv.drain_timeout, log_level=srv.log_level, root_path=srv.root_path)
     freeze_startup_heap()  # the app, the tokenizer, the modules: never walked by a collection
     server.run(sockets=[sock])
     return 0 if server.started else 3  # uvicorn's STARTUP_FAILURE

@@ -1,7 +1,9 @@
 """No silent ignoring: the request fields that are not plain sampling parameters.
 
 ``check_extras``: the fields a request model does not declare (``model_extra``) are refused with
-a 400 naming them, except OpenAI's harmless no-ops and vLLM fields sent at their default value.
+a 400 naming them, except OpenAI's harmless no-ops (``HARMLESS``), the vLLM fields that change
+nothing here, accepted with a warning (``WARNED``), and vLLM fields sent at their default value
+(``AT_DEFAULT``).
 ``structured_outputs``: OpenAI's ``response_format``, vLLM's ``structured_outputs`` and the older
 ``guided_*`` fields -> one ``StructuredOutputsParams`` and the field it came from (more than one
 is a 400: which constraint would win is not the client's guess to make).
@@ -11,22 +13,33 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedllm.logging_utils import init_logger
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.server.protocol import _SamplingFields
+from pagedllm.server.protocol import SamplingFields
 from pagedllm.server.serving import APIError
 
 # OpenAI fields that change nothing a client can observe here (accounting, storage, routing)
 HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier",
-                      "prompt_cache_key"})
+                      "prompt_cache_key", "prompt_cache_retention"})
+# vLLM fields that change no output here, at any value: accepted, with a warning (once per field
+# per process) that says why
+WARNED = {
+    "cache_salt": "one prefix cache serves every request here; a salt only isolates tenants",
+    "kv_transfer_params": "this server does no KV transfer between instances",
+    "mm_processor_kwargs": "the models served here are text-only",
+    "vllm_xargs": "no custom sampling extensions read them",
+    "session_id": "requests are not grouped by session",
+}
+_warned: set[str] = set()
+logger = init_logger(__name__)
 # vLLM fields pagedllm does not implement: accepted at their default value only
 AT_DEFAULT: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
-    "bad_words": [], "return_tokens_as_token_ids": False, "return_token_ids": False,
+    "bad_words": [], "return_token_ids": False,
     "echo": False, "continue_final_message": False, "documents": None,
-    "truncate_prompt_tokens": None, "cache_salt": None, "vllm_xargs": None, "watermarking": None,
-    "mm_processor_kwargs": None, "kv_transfer_params": None, "logprob_token_ids": None,
+    "watermarking": None, "logprob_token_ids": None,
     "structural_tag": None, "reasoning_effort": None, "thinking_token_budget": None,
-    "include_reasoning": True, "request_id": None, "session_id": None,
+    "include_reasoning": True,
 }
 _HINTS = {
     "use_beam_search": "beam search runs offline only (LLM.beam_search)",
@@ -35,10 +48,16 @@ _HINTS = {
 BACKENDS = (None, "auto", "guidance", "llguidance")
 
 
-def check_extras(req: _SamplingFields) -> None:
+def check_extras(req: SamplingFields) -> None:
     """400 for any undeclared field but the accepted ones."""
     for name, value in (req.model_extra or {}).items():
         if name in HARMLESS:
+            continue
+        if name in WARNED:
+            if name not in _warned:
+                _warned.add(name)
+                logger.warning("request field %s is accepted and has no effect: %s", name,
+                               WARNED[name])
             continue
         if name in AT_DEFAULT:
             if value == AT_DEFAULT[name]:
@@ -50,7 +69,7 @@ def check_extras(req: _SamplingFields) -> None:
                        param=name, code="unsupported_field")
 
 
-def structured_outputs(req: _SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+def structured_outputs(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
     """(the request's output constraint, the field it came from), or (None, None)."""
     found: list[tuple[str, dict[str, Any]]] = []
     rf = req.response_format

@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedllm.engine.client import EngineClient
-from pagedllm.kv.page import page_html
 
 HISTORY_FIELDS = ("t", "step", "total", "used", "cached", "shared", "host_used", "running",
                   "waiting", "swapped", "preemptions", "hits", "queries")
@@ -166,28 +165,3 @@ class KVInspector:
             await asyncio.sleep(self.interval_s / 2)
         yield ": the stream ends here; reconnect for more\n\n"  # an SSE comment
 
-
-def add_routes(app: Any, inspector: KVInspector, auth: Any) -> None:
-    """``/kv`` (the page: no data in it, so no key needed to load it; it asks for the key),
-    ``/kv/state`` and ``/kv/stream`` (behind ``auth``, as the API)."""
-    from fastapi import APIRouter, Depends
-    from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
-
-    from pagedllm.server.responses import _SSE_HEADERS
-
-    @app.get("/kv", include_in_schema=False)
-    async def page() -> HTMLResponse:
-        return HTMLResponse(page_html())
-
-    router = APIRouter(prefix="/kv", dependencies=[Depends(auth)], include_in_schema=False)
-
-    @router.get("/state")
-    async def state() -> JSONResponse:
-        return JSONResponse(inspector.message(await inspector.fresh()))
-
-    @router.get("/stream")
-    async def stream(history_after: float = 0.0, events_after: int = 0) -> StreamingResponse:
-        return StreamingResponse(inspector.stream(history_after, events_after),
-                                 media_type="text/event-stream", headers=_SSE_HEADERS)
-
-    app.include_router(router)

@@ -1,7 +1,7 @@
 """The OpenAPI document of the app: ``protocol``'s request and response models as components, each
 route's body and answers (every refusal in the one error shape), ``/metrics`` as Prometheus text.
 
-The routes read and validate their bodies themselves (``serving._read_json``, ``_validate``: size
+The routes read and validate their bodies themselves (``serving.read_json``, ``validate_body``: size
 limit, strict UTF-8 and JSON, our messages), so FastAPI is told about the models only for the
 document: ``request_body`` for a route's ``openapi_extra``, ``answers`` for its ``responses``.
 All models go through one ``models_json_schema`` call, which names a model used both ways apart
@@ -27,6 +27,7 @@ from pagedllm.server.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     HealthResponse,
+    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -37,7 +38,7 @@ _MODELS: list[tuple[type[BaseModel], JsonSchemaMode]] = [
     *((m, "validation") for m in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
                                   DetokenizeRequest)),
     *((m, "serialization") for m in (CompletionResponse, ChatCompletionResponse, ChatCompletionChunk,
-                                     TokenizeResponse, DetokenizeResponse, ModelList, ErrorResponse,
+                                     TokenizeResponse, DetokenizeResponse, ModelCard, ModelList, ErrorResponse,
                                      HealthResponse, VersionResponse)),
 ]
 _REFS, _DEFS = models_json_schema(_MODELS, ref_template="#/components/schemas/{model}")

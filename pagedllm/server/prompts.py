@@ -11,7 +11,7 @@ from typing import Any
 from pagedllm.chat import render_chat
 from pagedllm.engine import PromptType
 from pagedllm.engine.client import FrontEnd, PromptSource
-from pagedllm.server.serving import APIError, _FieldError, _Server
+from pagedllm.server.serving import APIError, FieldError, ServerState
 
 
 @dataclass(frozen=True)
@@ -21,9 +21,13 @@ class Budget:
 
     max_tokens: int | None
     field: str = "max_tokens"
+    truncate: int | None = None  # truncate_prompt_tokens: only the prompt's last k tokens run
+
+    def cut(self, ids: list[int]) -> list[int]:
+        return ids if self.truncate is None else ids[-self.truncate:]
 
 
-def _check_prompt(srv: _Server, ids: list[int], param: str, budget: Budget) -> None:
+def _check_prompt(srv: ServerState, ids: list[int], param: str, budget: Budget) -> None:
     """On the tokenizer thread, once the prompt's length is known: --max-prompt-tokens, and the
     prompt plus an explicit max_tokens must fit the context (vLLM's message)."""
     lim = srv.limits.max_prompt_tokens
@@ -32,14 +36,14 @@ def _check_prompt(srv: _Server, ids: list[int], param: str, budget: Budget) -> N
                          f"(--max-prompt-tokens)")
     total = len(ids) + (budget.max_tokens or 0)
     if budget.max_tokens is not None and total > srv.max_model_len:
-        raise _FieldError(
+        raise FieldError(
             f"This model's maximum context length is {srv.max_model_len} tokens. However, you "
             f"requested {budget.max_tokens} output tokens and your prompt contains {len(ids)} "
             f"input tokens, for a total of {total} tokens. Please reduce the length of the "
             f"input prompt or the number of requested output tokens.", budget.field)
 
 
-def _completion_prompts(srv: _Server, prompt: str | list[str] | list[int] | list[list[int]],
+def completion_prompts(srv: ServerState, prompt: str | list[str] | list[int] | list[list[int]],
                         budget: Budget) -> tuple[list[str], list[PromptSource]]:
     """(texts for echo, prompt sources). Strings are tokenized on the tokenizer thread."""
     items: list[str | list[int]]
@@ -65,28 +69,29 @@ def _completion_prompts(srv: _Server, prompt: str | list[str] | list[int] | list
     return texts, sources
 
 
-def _text_prompt(srv: _Server, text: str, budget: Budget) -> PromptSource:
+def _text_prompt(srv: ServerState, text: str, budget: Budget) -> PromptSource:
     def prepare(engine: FrontEnd) -> PromptType:
-        ids = engine.tokenizer.encode(text)
+        ids = budget.cut(engine.tokenizer.encode(text))
         _check_prompt(srv, ids, "prompt", budget)
         return {"prompt_token_ids": ids}
 
     return prepare
 
 
-def _ids_prompt(srv: _Server, ids: list[int], budget: Budget) -> PromptSource:
+def _ids_prompt(srv: ServerState, ids: list[int], budget: Budget) -> PromptSource:
     def prepare(engine: FrontEnd) -> PromptType:
-        _check_prompt(srv, ids, "prompt", budget)
-        return {"prompt_token_ids": ids}
+        kept = budget.cut(ids)
+        _check_prompt(srv, kept, "prompt", budget)
+        return {"prompt_token_ids": kept}
 
     return prepare
 
 
-def _chat_prompt(srv: _Server, messages: list[dict[str, Any]], budget: Budget,
+def chat_prompt(srv: ServerState, messages: list[dict[str, Any]], budget: Budget,
                  **render: Any) -> PromptSource:
     """``render``: ``pagedllm.chat.render_chat``'s keywords (tools, template, its kwargs)."""
     def prepare(engine: FrontEnd) -> PromptType:
-        ids = render_chat(engine.tokenizer, messages, **render)
+        ids = budget.cut(render_chat(engine.tokenizer, messages, **render))
         _check_prompt(srv, ids, "messages", budget)
         return {"prompt_token_ids": ids}
 

@@ -17,31 +17,31 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pagedllm.server.strict import StrictModel
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
+    include_obfuscation: bool | None = None  # OpenAI's padding of chunks; none is sent here
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsFields(_Strict):
+class StructuredOutputsFields(StrictModel):
     """vLLM's ``structured_outputs`` request field (``pagedllm.StructuredOutputsParams``)."""
 
     json_: str | dict[str, Any] | None = Field(default=None, alias="json")
@@ -54,7 +54,7 @@ class StructuredOutputsFields(_Strict):
     whitespace_pattern: str | None = None
 
 
-class _SamplingFields(_Strict):
+class SamplingFields(StrictModel):
     """Fields shared by completions and chat completions (OpenAI names plus vLLM extras)."""
 
     model_config = ConfigDict(strict=True, extra="allow")  # judged by server.fields
@@ -83,6 +83,9 @@ class _SamplingFields(_Strict):
     priority: int = 0
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # keep the prompt's last k
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)  # the response's id
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>"
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and older guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None
@@ -115,7 +118,7 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 _HAIKU: Any = [{"role": "user", "content": "Write a haiku about memory."}]  # the docs' example
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra={"examples": [  # the document's (/docs) examples
         {"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0},
         {"prompt": ["Once upon a time", "The KV cache"], "max_tokens": 16, "n": 2, "seed": 1,
@@ -129,35 +132,35 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
 
-class ContentPart(_Strict):
+class ContentPart(StrictModel):
     type: str
     text: str | None = None
 
 
-class FunctionDef(_Strict):
+class FunctionDef(StrictModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDef(_Strict):
+class ToolDef(StrictModel):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     # undeclared keys are judged by server.tools.messages_for_template (clients replaying a
     # response message send its null fields: refusal, audio, ...)
     model_config = ConfigDict(strict=True, extra="allow")
@@ -179,7 +182,7 @@ class ChatMessage(_Strict):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"messages": _HAIKU, "max_tokens": 32},
         {"messages": _HAIKU, "max_completion_tokens": 16, "n": 2, "stream": True,
@@ -197,7 +200,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     """``/tokenize``: either ``prompt`` (completions) or ``messages`` (chat), as vLLM takes them."""
 
     model_config = ConfigDict(json_schema_extra={"examples": [
@@ -213,7 +216,7 @@ class TokenizeRequest(_Strict):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     model_config = ConfigDict(json_schema_extra={"examples": [{"tokens": [5, 6, 7]}]})
 
     model: str | None = None

@@ -2,7 +2,7 @@
 
 ``ServerLimits`` and ``APIError`` (an OpenAI-shaped refusal); reading a body by hand (size limit,
 strict UTF-8, strict JSON, no lone surrogates) and validating it against ``protocol``'s strict
-models; ``_Server``, the per-app state that checks auth and model name, turns request fields into
+models; ``ServerState``, the per-app state that checks auth and model name, turns request fields into
 ``SamplingParams``, submits to the ``EngineClient`` and collects a non-streamed answer (aborting if
 the client goes away); ``engine_failure``, what a client is told when the engine fails. The
 prompt sources, which tokenize and check length on the client's tokenizer thread, are in
@@ -41,7 +41,7 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedllm.server.args import ServerArgs
 from pagedllm.server.metrics import ServerMetrics
-from pagedllm.server.protocol import ErrorInfo, ErrorResponse, _SamplingFields
+from pagedllm.server.protocol import ErrorInfo, ErrorResponse, SamplingFields
 
 logger = init_logger(__name__)
 
@@ -58,11 +58,12 @@ class ServerLimits:
     max_tokens: int | None = ServerArgs.max_tokens_limit  # None: max_model_len
     max_prompt_tokens: int | None = ServerArgs.max_prompt_tokens  # None: max_model_len - 1
     max_prompts: int = ServerArgs.max_prompts  # prompts in one /v1/completions batch
+    max_logprobs: int = ServerArgs.max_logprobs  # logprobs, top_logprobs, prompt_logprobs
 
     @classmethod
     def from_args(cls, a: ServerArgs) -> ServerLimits:
         return cls(a.max_request_bytes, a.max_n, a.max_tokens_limit, a.max_prompt_tokens,
-                   a.max_prompts)
+                   a.max_prompts, a.max_logprobs)
 
 
 class APIError(Exception):
@@ -77,11 +78,11 @@ class APIError(Exception):
         return JSONResponse(body.model_dump(), status_code=self.status)
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     pass
 
 
-class _FieldError(ValueError):
+class FieldError(ValueError):
     """A refusal found while preparing a prompt that names its request field."""
 
     def __init__(self, message: str, param: str) -> None:
@@ -134,7 +135,7 @@ def _check_json_content_type(request: Request) -> None:
                    f"(got {got})", param="body", code="unsupported_media_type")
 
 
-async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
     _check_json_content_type(request)
     cl = request.headers.get("content-length")
     if cl is not None and cl.isdigit() and int(cl) > limit:
@@ -184,7 +185,7 @@ def _strings(obj: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...],
             stack.extend(((*where, str(i)), x) for i, x in enumerate(v))
 
 
-def _validate(model: type[M], body: dict[str, Any]) -> M:
+def validate_body(model: type[M], body: dict[str, Any]) -> M:
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -210,7 +211,7 @@ def _nonfinite(name: str, value: float | None) -> None:
 # -- app ------------------------------------------------------------------------------------------
 
 
-class _Server:
+class ServerState:
     """Request handling state for one app (engine client, limits, names)."""
 
     def __init__(self, client: EngineClient, model_name: str, api_key: str | None,
@@ -240,9 +241,12 @@ class _Server:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def sampling_params(self, req: _SamplingFields, max_tokens: int | None, max_tokens_field: str,
+    def sampling_params(self, req: SamplingFields, max_tokens: int | None, max_tokens_field: str,
                         logprobs: int | None, logprobs_field: str,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                        structured: StructuredOutputsParams | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """``prompt_logprobs``: what the endpoint needs of the prompt besides the request's own
+        ``prompt_logprobs`` (an echo's logprobs); the engine computes the larger."""
         lim = self.limits
         if req.n > lim.max_n:
             raise APIError(400, f"n={req.n} exceeds this server's limit of {lim.max_n} (--max-n)", param="n")
@@ -252,6 +256,10 @@ class _Server:
                            param=max_tokens_field)
         if max_tokens is None and lim.max_tokens is not None:
             max_tokens = cap
+        for name, k in ((logprobs_field, logprobs), ("prompt_logprobs", req.prompt_logprobs)):
+            if k is not None and k > lim.max_logprobs:
+                raise APIError(400, f"{name}={k} exceeds this server's limit of {lim.max_logprobs} "
+                               f"(--max-logprobs)", param=name)
         if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
             raise APIError(400, f"seed={req.seed} is invalid; must be in [0, {MAX_SEED}]", param="seed")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -279,7 +287,8 @@ class _Server:
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
-            prompt_logprobs=req.prompt_logprobs,
+            prompt_logprobs=max((k for k in (req.prompt_logprobs, prompt_logprobs) if k is not None),
+                                default=None),
             logit_bias=req.logit_bias or None,
             allowed_token_ids=req.allowed_token_ids,
             structured_outputs=structured,
@@ -317,7 +326,7 @@ class _Server:
 
     # -- submission --------------------------------------------------------------------------------
     async def submit(self, base_id: str, prompts: list[PromptSource], params: SamplingParams,
-                     req: _SamplingFields, param: str) -> tuple[OutputStream, list[str]]:
+                     req: SamplingFields, param: str) -> tuple[OutputStream, list[str]]:
         """Queue one engine request per prompt (``base_id-i``). A refusal is a 400 naming the
         field (``param``, the prompt's, unless the engine's message names a request field)."""
         stream = OutputStream()
@@ -371,7 +380,7 @@ class _Server:
                 if any(c.finish_reason == "error" for out in final.values() for c in out.outputs):
                     raise engine_failure(EngineError("a request failed in a step"), base_id)
                 return final
-            raise _ClientGone()
+            raise ClientGone()
         finally:
             watcher.cancel()
             consumer.cancel()

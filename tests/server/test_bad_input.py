@@ -45,7 +45,7 @@ BAD_COMPLETIONS: list[Case] = [
     ({"prompt": ""}, 400, "prompt", "empty"),
     ({"prompt": {"text": "t5"}}, 400, "prompt", "prompt"),
     ({"prompt": "t5", "max_tokens": "10"}, 400, "max_tokens", "max_tokens"),
-    ({"prompt": "t5", "max_tokens": 4.0}, 400, "max_tokens", "max_tokens"),
+    ({"prompt": "t5", "max_tokens": 4.5}, 400, "max_tokens", "max_tokens"),
     ({"prompt": "t5", "temperature": True}, 400, "temperature", "temperature"),
     ({"prompt": "t5", "stream": "yes"}, 400, "stream", "stream"),
     ({"prompt": "t5", "stop": 5}, 400, "stop", "stop"),

@@ -11,8 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
-from serve_process import serve_process
+from serve_process import child_pids, serve_process
 
+from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.server.cli import apply_config_file
 
@@ -76,6 +77,25 @@ def test_serve_subprocess_end_to_end(chat_model: Path, tmp_path: Path) -> None:
         assert "503" in ends and "error event" in ends, ends
         assert set(ends) <= {"503", "error event", "finished"}, ends
         assert proc.wait(timeout=30) == 0
+
+
+
+def test_serve_engine_in_process(chat_model: Path) -> None:
+    """``--engine-in-process``: the core runs as a thread of the server (no engine-core child
+    process), answers what the offline engine answers, and SIGTERM still exits 0."""
+    flags = ("--block-size", "4", "--num-kv-blocks", "64", "--max-model-len", "128")
+    body = {"prompt": "t5 t6 t7", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with serve_process(str(chat_model), *flags, "--engine-in-process") as (proc, base):
+        assert child_pids(proc.pid) == []  # the default starts the core as a child process
+        r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert httpx.get(base + "/health").status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    expected = LLM(model=str(chat_model), block_size=4, num_kv_blocks=64, max_model_len=128).generate(
+        "t5 t6 t7", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0].text
+    assert r.json()["choices"][0]["text"] == expected
 
 
 def _in_flight(base: str) -> float:

@@ -127,7 +127,7 @@ def _tokenizer_attributes() -> dict[str, set[str]]:
     """{attribute: files} for every ``<x>.tokenizer.ATTR`` / ``tokenizer.ATTR`` / ``tok.ATTR``
     the server's code (and the chat rendering it calls) uses."""
     root = Path(pagedllm.__file__).parent
-    files = [*sorted((root / "server").glob("*.py")), root / "chat.py"]
+    files = [*sorted((root / "server").rglob("*.py")), root / "chat.py"]
     used: dict[str, set[str]] = {}
     for f in files:
         for node in ast.walk(ast.parse(f.read_text())):

@@ -66,7 +66,7 @@ def test_several_served_model_names(tmp_path: Path) -> None:
         seen: list[str] = []
         handler = logging.Handler()
         handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-        api_log = logging.getLogger("pagedllm.server.api")
+        api_log = logging.getLogger("pagedllm.server.routes")
         api_log.addHandler(handler)
         api_log.setLevel(logging.INFO)  # the suite runs at WARNING
         try:
