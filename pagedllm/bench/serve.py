@@ -254,3 +254,29 @@ def run_serve_backends(a: Any, model: str, reqs: list[BenchRequest], tokenizer: 
     res["machine"] = machine_info()
     print(format_backends(res))
     return [write_json(a.output_json or a.output_dir / "serve_backends.json", res)]
+
+
+def add_cli_args(p: Any) -> None:
+    """``bench serve``'s own flags (the workload's and the output's are bench/cli.py's)."""
+    from pagedllm.bench.serve_backends import add_backend_args
+
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrivals, requests/s (default inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--served-model-name", default=None, help="default: the first of /v1/models")
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--slo-e2e-ms", type=float, default=None)
+    p.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
+                   help="send prompts as token id lists (default) or decoded text")
+    p.add_argument("--use-trace-arrivals", action="store_true",
+                   help="--workload trace: use the trace's arrival_time instead of Poisson")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
+    p.add_argument("--model", default=None,
+                   help="checkpoint whose tokenizer builds the prompts (default: the shipped model)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="cap prompt+output length (default: the model's max_position_embeddings)")
+    p.add_argument("--seed", type=int, default=0)
+    add_backend_args(p)
