@@ -84,8 +84,8 @@ def make_vllm_backend(engine_kwargs: dict[str, Any], python: str | None,
     found = find_vllm_python(python)
     if found is None:
         raise ValueError("backend 'vllm' needs a Python with vllm installed: pass --vllm-python "
-                         "PATH (or set PAGEDLLM_VLLM_PYTHON); README 'Performance' says how to "
-                         "make that venv")
+                         "PATH (or set PAGEDLLM_VLLM_PYTHON); docs/performance/serving.md says "
+                         "how to make that venv")
     return VllmBackend(engine_kwargs, found, llm_kwargs)
 
 

@@ -116,8 +116,8 @@ class ModelRunner:
                         "dtype %s: this CPU has no %s arithmetic for pagedllm's kernels (ISA %s), "
                         "so the linear weights stay %s (half the bytes a decode step reads) and "
                         "activations and KV are float32: the fastest of the three measured on "
-                        "AVX2 (125M: 1.35x float32 weights, 7x %s activations on oneDNN; README "
-                        "'AVX2 and AVX-512')", w16, w16, kernels.isa(), w16, w16)
+                        "AVX2 (125M: 1.35x float32 weights, 7x %s activations on oneDNN; "
+                        "docs/features/cpu-isa.md)", w16, w16, kernels.isa(), w16, w16)
                 pack_linears(self.model, config.linear_backend, w16_torch)
             if config.linear_backend != "torch" or config.batch_invariant:
                 kinds = [m.kind for m in self.model.modules() if isinstance(m, Linear)]
