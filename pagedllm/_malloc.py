@@ -49,6 +49,9 @@ import time
 from collections.abc import Callable, Mapping
 
 from pagedllm._env import auto_or_off
+from pagedllm.logging_utils import init_logger
+
+logger = init_logger(__name__)
 
 MMAP_THRESHOLD = 256 << 20
 TRIM_THRESHOLD = 1 << 30
@@ -156,4 +159,6 @@ class IdleRelease:
         self.last_s = time.perf_counter() - t0
         self.releases += 1
         self.seconds += self.last_s
+        logger.debug("idle: gave freed memory back in %.0f ms (release %d)", self.last_s * 1e3,
+                     self.releases)
         return True

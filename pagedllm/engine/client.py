@@ -29,7 +29,8 @@ import asyncio
 import concurrent.futures
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -130,6 +131,28 @@ class OutputStream:
             yield item
 
 
+class Activity:
+    """The front-end process's own work, beside the core's requests: HTTP requests (the server's
+    middleware) and tokenizer jobs in flight, and an ``epoch`` that moves whenever one starts or
+    ends. The process gives its freed memory back once nothing is in flight and the epoch stood
+    still (``MPClient``): a 1 MB prompt refused after tokenizing frees its memory when it ends,
+    not when it starts. Used from the event loop only."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.epoch = 0
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        self.in_flight += 1
+        self.epoch += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            self.epoch += 1
+
+
 class EngineClient:
     """The front end's side of an engine core; subclasses move the messages. Every method runs
     on the event loop that called ``start``."""
@@ -149,7 +172,7 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="pagedllm-tokenizer")
-        self.num_tokenizer_jobs = 0  # prompts and /tokenize calls: the front end's own work
+        self.activity = Activity()  # the front end's own work: HTTP requests, tokenizer jobs
 
     # -- for subclasses ---------------------------------------------------------------------------
     def _send(self, msg: ToCore) -> None:
@@ -174,8 +197,9 @@ class EngineClient:
         self._check_running()
         assert self._loop is not None
         arrival = time.monotonic()
-        self.num_tokenizer_jobs += 1
-        ids = await self._loop.run_in_executor(self._tokenizer_thread, self._prompt_ids, prompt)
+        with self.activity():
+            ids = await self._loop.run_in_executor(self._tokenizer_thread, self._prompt_ids,
+                                                   prompt)
         self._check_running()
         if request_id in self._streams or request_id in self._accepts:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -203,8 +227,8 @@ class EngineClient:
     async def run_on_tokenizer_thread(self, fn: Callable[[FrontEnd], Any]) -> Any:
         """``fn(frontend)`` on the tokenizer thread (``/tokenize``, ``/detokenize``)."""
         assert self._loop is not None
-        self.num_tokenizer_jobs += 1
-        return await self._loop.run_in_executor(self._tokenizer_thread, fn, self.frontend)
+        with self.activity():
+            return await self._loop.run_in_executor(self._tokenizer_thread, fn, self.frontend)
 
     def is_idle(self) -> bool:
         """No request in flight or waiting to be accepted."""

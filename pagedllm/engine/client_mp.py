@@ -121,11 +121,11 @@ class MPClient(EngineClient):
         """The core process's death, seen within ``WATCH_S``: health goes down, every stream
         ends with an error naming the cause."""
         assert self.proc is not None
-        jobs, last_work = self.num_tokenizer_jobs, time.monotonic()
+        epoch, last_work = self.activity.epoch, time.monotonic()
         while self.proc.is_alive():
             await asyncio.sleep(WATCH_S)
-            if not self.is_idle() or jobs != self.num_tokenizer_jobs:
-                jobs, last_work = self.num_tokenizer_jobs, time.monotonic()
+            if not self.is_idle() or self.activity.in_flight or epoch != self.activity.epoch:
+                epoch, last_work = self.activity.epoch, time.monotonic()
                 self.idle_release.worked()
             elif (self.idle_release.wait_s is not None
                   and time.monotonic() - last_work >= self.idle_release.after_s):

@@ -87,6 +87,7 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
     app.state.kv_inspector = KVInspector(client, kv_inspector_show_text) if kv_inspector else None
     _add_error_handlers(app)
     app.add_middleware(_Unhandled)
+    app.add_middleware(_Activity, client=client)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials="*" not in allowed_origins)
@@ -139,6 +140,22 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ClientDisconnect)
     async def _gone(_: Request, e: ClientDisconnect) -> Response:
         return Response(status_code=499)  # nobody reads it; nothing was queued yet
+
+
+class _Activity:
+    """A request with a body (not a GET: /health, /metrics and pollers change nothing) is the
+    front end's work while it runs (``EngineClient.activity``): the process gives back what such
+    requests freed once they have all ended, e.g. a 1 MB body refused with a 400 or 413."""
+
+    def __init__(self, app: ASGIApp, client: EngineClient) -> None:
+        self.app, self.client = app, client
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        with self.client.activity():
+            await self.app(scope, receive, send)
 
 
 class _Unhandled:

@@ -5,7 +5,12 @@ from __future__ import annotations
 from types import NoneType, UnionType
 from typing import Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, GetJsonSchemaHandler, model_validator
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
+
+
+_META = ("title", "default", "description", "examples", "deprecated")
 
 
 def _takes(annotation: Any, kind: type) -> bool:
@@ -40,3 +45,18 @@ class StrictModel(BaseModel):
                 out[key] = int(value)
         return out
 
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: CoreSchema,
+                                     handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        """The document says what the leniency accepts: a field whose ``null`` means its default
+        is ``anyOf [its type, null]`` (an integral float already is a JSON Schema integer)."""
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        props = schema.get("properties", {})
+        for name, field in cls.model_fields.items():
+            prop = props.get(field.alias or name)
+            if prop is None or field.is_required() or _takes(field.annotation, NoneType):
+                continue
+            meta = {k: prop.pop(k) for k in _META if k in prop}
+            props[field.alias or name] = {"anyOf": [prop, {"type": "null"}], **meta}
+        return schema

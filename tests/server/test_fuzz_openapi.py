@@ -58,7 +58,7 @@ def _fuzz(chat_model: Path, tmp_path: Path, max_examples: int, max_time: int | N
         run = subprocess.run(
             [exe, "run", s.base_url + "/openapi.json", "-H", f"Authorization: Bearer {API_KEY}",
              "--exclude-checks", "positive_data_acceptance", "--max-examples", str(max_examples),
-             "--seed", "35", "--workers", "1", "--request-timeout", "60", "--no-color",
+             "--seed", "35", "--workers", "1", "--output-sanitize", "false", "--request-timeout", "60", "--no-color",
              "--phases", phases,
              *(["--max-time", str(max_time)] if max_time else [])],
             capture_output=True, text=True, timeout=(max_time or 0) + 300, cwd=tmp_path)
