@@ -49,6 +49,20 @@ def test_metrics_per_replica_and_a_degraded_health() -> None:
         assert m[("pagedllm:prefix_cache_hits_total", "0")] > 0
         assert httpx.get(s.base_url + "/health").json() == {"status": "ok"}
 
+        # a client that goes away: its replica (round robin: 0) aborts it and frees its blocks
+        with httpx.stream("POST", s.base_url + "/v1/completions", json={
+                "model": "m", "prompt": PROMPTS[5], "max_tokens": 400, "ignore_eos": True,
+                "stream": True}, timeout=60) as r:
+            next(r.iter_lines())
+        deadline = time.monotonic() + 10
+        while (m := _series(s.base_url))[("pagedllm:num_requests_running", "0")] or m[
+                ("pagedllm:kv_cache_usage_perc", "0")]:
+            assert time.monotonic() < deadline, "replica 0 still runs the request of a gone client"
+            time.sleep(0.05)
+        assert 8 < m[("pagedllm:generation_tokens_total", "0")] < 8 + 400
+        assert m[("pagedllm:generation_tokens_total", "1")] == 8
+
+        gen0 = m[("pagedllm:generation_tokens_total", "0")]
         dp.replicas[1].link.kill()  # type: ignore[attr-defined]
         deadline = time.monotonic() + 10
         while (h := httpx.get(s.base_url + "/health")).json()["status"] == "ok":
@@ -62,7 +76,7 @@ def test_metrics_per_replica_and_a_degraded_health() -> None:
             assert r.status_code == 200, r.text
         m = _series(s.base_url)
         assert ("pagedllm:num_requests_running", "1") not in m  # out of the gauges
-        assert m[("pagedllm:generation_tokens_total", "0")] == 16
+        assert m[("pagedllm:generation_tokens_total", "0")] == gen0 + 8
 
 
 def _serve_args(*argv: str) -> tuple[object, object]:
