@@ -23,7 +23,7 @@ from pagedllm.flags import apply_config_file
 from pagedllm.server.args import ServerArgs
 from pagedllm.server.vllm_flags import add_vllm_flags, check_vllm_flags
 
-__all__ = ["apply_config_file", "cmd_serve", "register"]
+__all__ = ["apply_config_file", "cmd_serve", "make_engine", "register"]
 
 
 def register(subparsers: Any) -> None:
@@ -67,7 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # or N of them (--data-parallel-size, pagedllm/router/client.py), unless --engine-in-process;
     # a bad setting fails here, before any process starts.
     config = engine_args.create_engine_config()
-    engine = _engine(srv, engine_args, config)
+    engine = make_engine(srv, engine_args, config)
     name = srv.served_model_name
     if name is None and engine_args.model and not Path(engine_args.model).exists():
         name = engine_args.model  # a Hugging Face id: served by that name, not its cache path
@@ -99,7 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 3  # uvicorn's STARTUP_FAILURE
 
 
-def _engine(srv: ServerArgs, engine_args: EngineArgs, config: EngineConfig) -> Any:
+def make_engine(srv: ServerArgs, engine_args: EngineArgs, config: EngineConfig) -> Any:
     """The engine the app serves: one core in its own process (``MPClient``), N replicas
     (``DPClient``: --data-parallel-size, or the ray backend), or an in-process engine."""
     from pagedllm.engine import LLMEngine

@@ -13,8 +13,11 @@ import pytest
 from dp_helpers import PROMPTS, engine_args
 from server_helpers import ServerThread
 
+from pagedllm.args import EngineArgs
+from pagedllm.entrypoints.cli import build_parser
 from pagedllm.router.client import DPClient
 from pagedllm.server.api import build_app
+from pagedllm.server.args import ServerArgs
 
 
 def _series(base: str) -> dict[tuple[str, str], float]:
@@ -79,30 +82,26 @@ def test_metrics_per_replica_and_a_degraded_health() -> None:
         assert m[("pagedllm:generation_tokens_total", "0")] == gen0 + 8
 
 
-def _serve_args(*argv: str) -> tuple[object, object]:
-    from pagedllm.args import EngineArgs
-    from pagedllm.entrypoints.cli import build_parser
-    from pagedllm.server.args import ServerArgs
-
+def _serve_args(*argv: str) -> tuple[ServerArgs, EngineArgs]:
     ns = build_parser().parse_args(["serve", *argv])
     return ServerArgs.from_cli(ns), EngineArgs.from_cli(ns)
 
 
 def test_the_serve_flags_build_the_replicas() -> None:
     from pagedllm.engine.client_mp import MPClient
-    from pagedllm.server.cli import _engine  # the one function of cmd_serve that picks it
+    from pagedllm.server.cli import make_engine
 
     srv, eng = _serve_args("-dp", "3", "--routing-policy", "least_load",
                            "--data-parallel-threads", "1", "--num-kv-blocks", "64")
-    dp = _engine(srv, eng, eng.create_engine_config())  # type: ignore[attr-defined]
+    dp = make_engine(srv, eng, eng.create_engine_config())
     assert isinstance(dp, DPClient) and len(dp.replicas) == 3 and dp.policy.name == "least_load"
     assert [r.link.options.num_threads for r in dp.replicas] == [1, 1, 1]  # type: ignore[attr-defined]
     assert not dp.replicas[0].link.options.kv_events  # type: ignore[attr-defined]  # unread
     srv, eng = _serve_args("--num-kv-blocks", "64")
-    assert isinstance(_engine(srv, eng, eng.create_engine_config()), MPClient)  # type: ignore[attr-defined]
+    assert isinstance(make_engine(srv, eng, eng.create_engine_config()), MPClient)
     srv, eng = _serve_args("-dp", "2", "--engine-in-process")
     with pytest.raises(ValueError, match="--engine-in-process runs one engine"):
-        _engine(srv, eng, eng.create_engine_config())  # type: ignore[attr-defined]
+        make_engine(srv, eng, eng.create_engine_config())
 
 
 @pytest.mark.slow  # the real command: a server and two engine-core processes (~20 s)
