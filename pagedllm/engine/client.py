@@ -11,9 +11,10 @@
     utility("kv_stats") ─▶ UtilityCall ──────────────▶ a named call ─▶ UtilityResult
     stats ◀─ each EngineCoreOutputs' StepStats (stats_listeners: the Prometheus counters)
 
-Two implementations, the same messages: ``InProcessClient`` runs the core loop in a thread of
+Implementations, the same messages: ``InProcessClient`` runs the core loop in a thread of
 this process (tests, in-process serving), ``MPClient`` in its own process over ZMQ (``pagedllm
-serve``), so the model's steps never hold the GIL of the process that serves HTTP. The front
+serve``), so the model's steps never hold the GIL of the process that serves HTTP;
+``router.client.DPClient`` owns N cores (data-parallel replicas) and routes each request to one. The front
 end tokenizes (one tokenizer thread: a tokenizer is not shared between threads) and knows the
 model through ``FrontEnd``; it never holds a live ``Request``, scheduler or KV manager.
 
@@ -161,7 +162,8 @@ class EngineClient:
         self.frontend = frontend
         self.config = frontend.config
         self.stats = stats  # the core's latest record (each step's, or a snapshot after aborts)
-        self.stats_listeners: list[Callable[[StepStats], None]] = []  # called with each step's
+        # called with each step's record and the index of the engine (replica) that ran it
+        self.stats_listeners: list[Callable[[StepStats, int], None]] = []
         self.dead: str | None = None  # why the core died
         self.num_aborted = 0  # requests aborted while live (client disconnects, shutdown)
         self._streams: dict[str, OutputStream] = {}
@@ -187,6 +189,15 @@ class EngineClient:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         raise NotImplementedError
+
+    @property
+    def degraded(self) -> str | None:
+        """Why the client serves with less than it was started with (a replica down), or None."""
+        return None
+
+    def engine_stats(self) -> list[tuple[int, StepStats]]:
+        """The latest record of each engine core serving (its replica index, the record)."""
+        return [(0, self.stats)]
 
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptSource, params: SamplingParams,
@@ -243,27 +254,35 @@ class EngineClient:
         stream.pending.clear()
 
     def abort_many(self, request_ids: list[str]) -> None:
-        live = []
-        for rid in request_ids:
-            stream = self._forget(rid)
-            if stream is None:
-                continue
-            live.append(rid)
-            self.num_aborted += 1
-            stream.queue.put_nowait(_Failed(rid, RequestAborted(f"request {rid} was aborted")))
-        if live and self.dead is None:
-            self._send(Abort(live))
+        live = [rid for rid in dict.fromkeys(request_ids) if rid in self._streams]
+        try:
+            if live and self.dead is None:  # sent first: a router still knows where they run
+                self._send(Abort(live))
+        finally:
+            for rid in live:
+                stream = self._forget(rid)
+                assert stream is not None
+                self.num_aborted += 1
+                stream.queue.put_nowait(_Failed(rid, RequestAborted(f"request {rid} was aborted")))
 
     def fail_in_flight(self, error: EngineError) -> None:
         """End every request in flight with ``error``; the core frees their blocks (the drain
         deadline's last word)."""
         ids = list(self._streams)
-        for rid in ids:
-            stream = self._forget(rid)
-            if stream is not None:
-                stream.queue.put_nowait(_Failed(rid, error))
-        if ids and self.dead is None:
-            self._send(Abort(ids))
+        try:
+            if ids and self.dead is None:
+                self._send(Abort(ids))
+        finally:
+            for rid in ids:
+                stream = self._forget(rid)
+                if stream is not None:
+                    stream.queue.put_nowait(_Failed(rid, error))
+
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        """End one request in flight with ``error`` (nothing is sent to the core)."""
+        stream = self._forget(request_id)
+        if stream is not None:
+            stream.queue.put_nowait(_Failed(request_id, error))
 
     def _forget(self, request_id: str) -> OutputStream | None:
         self.output.remove(request_id)
@@ -275,12 +294,16 @@ class EngineClient:
     # -- utility calls ----------------------------------------------------------------------------
     async def utility(self, name: str, *args: Any) -> Any:
         """A named call on the core between steps (``core_proc.UTILITIES``)."""
+        return await self._call(name, list(args), self._send)
+
+    async def _call(self, name: str, args: list[Any], send: Callable[[ToCore], None]) -> Any:
+        """A named call sent with ``send``; its result (or error) comes back by call id."""
         self._check_running()
         assert self._loop is not None
         call_id = next(self._call_ids)
         fut: asyncio.Future[Any] = self._loop.create_future()
         self._calls[call_id] = fut
-        self._send(UtilityCall(call_id, name, list(args)))
+        send(UtilityCall(call_id, name, args))
         try:
             return await fut
         finally:
@@ -294,18 +317,22 @@ class EngineClient:
         return await self.utility("kv_snapshot", show_text)  # type: ignore[no-any-return]
 
     # -- messages from the core (on the event loop) ------------------------------------------------
-    def _dispatch(self, msg: FromCore) -> None:
+    def _dispatch(self, msg: FromCore, source: int = 0) -> None:
+        """One message from engine core ``source`` (the replica's index; 0 for one core)."""
         if isinstance(msg, EngineCoreOutputs):
-            self._on_outputs(msg)
+            self._on_outputs(msg, source)
         elif isinstance(msg, Accepted):
             fut = self._accepts.pop(msg.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(None)
         elif isinstance(msg, Rejected):
             fut = self._accepts.pop(msg.request_id, None)
-            self._forget(msg.request_id)
+            error = EngineError(msg.message) if msg.internal else ValueError(msg.message)
+            stream = self._forget(msg.request_id)
             if fut is not None and not fut.done():
-                fut.set_exception(EngineError(msg.message) if msg.internal else ValueError(msg.message))
+                fut.set_exception(error)
+            elif stream is not None:  # accepted before, refused where a router sent it again
+                stream.queue.put_nowait(_Failed(msg.request_id, error))
         elif isinstance(msg, UtilityResult):
             call = self._calls.pop(msg.call_id, None)
             if call is None or call.done():
@@ -320,7 +347,7 @@ class EngineClient:
         elif isinstance(msg, Ready):
             pass
 
-    def _on_outputs(self, msg: EngineCoreOutputs) -> None:
+    def _on_outputs(self, msg: EngineCoreOutputs, source: int = 0) -> None:
         for out in msg.outputs:  # requests the core ended without a result
             if out.error is not None:
                 stream = self._forget(out.request_id)
@@ -337,11 +364,18 @@ class EngineClient:
             if ro.finished:
                 self._forget(ro.request_id)
             stream.queue.put_nowait(ro)
+            self._streamed(ro.request_id)
         if msg.stats is not None:
-            self.stats = msg.stats
-            if msg.step:
-                for listener in self.stats_listeners:
-                    listener(msg.stats)
+            self._record_stats(msg.stats, msg.step, source)
+
+    def _streamed(self, request_id: str) -> None:
+        """An output of the request reached its stream (a router may no longer retry it)."""
+
+    def _record_stats(self, stats: StepStats, step: bool, source: int) -> None:
+        self.stats = stats
+        if step:
+            for listener in self.stats_listeners:
+                listener(stats, source)
 
     def _on_dead(self, reason: str) -> None:
         if self.dead is not None:

@@ -18,6 +18,10 @@ aborted by the front end (``Abort``; a stop string found by a front end arrives 
 with its step (``error="failed"``) or by the core stopping (``error="shutdown"``). A step that
 raises fails the requests in flight and the loop keeps going; a fatal error (a lost TP rank) or
 a broken loop sends ``CoreDead`` and ends the loop.
+
+``serve_core`` builds an engine and runs the loop over any transport: the spawned process
+(``run_core_process``, ZMQ) and a data-parallel replica's Ray actor (``router.ray_link``) both
+run it, with the ``CoreOptions`` their front end chose.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedllm._malloc import IdleRelease
@@ -47,6 +52,7 @@ from pagedllm.engine.messages import (
     UtilityResult,
 )
 from pagedllm.engine.snapshot import kv_snapshot
+from pagedllm.kv.events import KVEventBatch
 from pagedllm.logging_utils import init_logger
 
 if TYPE_CHECKING:
@@ -56,6 +62,20 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 PARENT_CHECK_S = 1.0  # an idle core looks this often whether its front end still exists
+
+
+@dataclass(frozen=True)
+class CoreOptions:
+    """How a front end asks its engine core to run (plain data: it crosses to a spawned process
+    or a Ray actor). ``kv_events``: each step's KV cache events (``kv.events.KVEventBatch``,
+    stamped with ``data_parallel_rank``) travel with the step's outputs, for a router that
+    mirrors the replica's prefix cache; ``num_threads``: torch's threads in the core (None:
+    torch's default)."""
+
+    batch_wait_ms: float = 0.0
+    num_threads: int | None = None
+    kv_events: bool = False
+    data_parallel_rank: int | None = None
 
 
 def _integrity(core: EngineCore) -> list[int]:
@@ -77,10 +97,17 @@ UTILITIES: dict[str, Callable[..., Any]] = {
 
 
 class CoreService:
-    """An ``EngineCore`` driven by messages. Not thread-safe: one loop owns it."""
+    """An ``EngineCore`` driven by messages. Not thread-safe: one loop owns it. With
+    ``kv_events`` each step's outputs carry the KV event batches of the KV manager's bus."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, kv_events: bool = False,
+                 data_parallel_rank: int | None = None) -> None:
         self.core = core
+        self._batches: list[KVEventBatch] | None = None
+        if kv_events:
+            self._batches = []
+            core.kv.events.data_parallel_rank = data_parallel_rank
+            core.kv.events.subscribe_batches(self._batches.append)
 
     def has_work(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -119,13 +146,16 @@ class CoreService:
         """One engine step. A step that raises fails every request in flight (their blocks are
         freed) unless the error is fatal, which is raised."""
         try:
-            return self.core.step()
+            out = self.core.step()
         except Exception as e:
             if getattr(e, "fatal", False):
                 raise
             logger.exception("engine step failed; failing the %d requests in flight: %s",
                              len(self.core.request_ids()), ", ".join(sorted(self.core.request_ids())))
             return self.fail_all("failed", f"the engine step failed: {type(e).__name__}: {e}")
+        if self._batches:  # the step's KV events go with its outputs, in order
+            out.kv_events, self._batches[:] = list(self._batches), []
+        return out
 
     def fail_all(self, error: str, detail: str) -> EngineCoreOutputs:
         """End every request with ``error``; every block goes back to the pool."""
@@ -296,32 +326,45 @@ class ZmqTransport:
         self.ctx.term()
 
 
-def run_core_process(engine_args: EngineArgs, in_addr: str, out_addr: str,
-                     batch_wait_ms: float, parent_pid: int) -> None:
-    """The entry point of the engine-core process. SIGINT and SIGTERM are left to the front
-    end, which drains and then sends ``Shutdown``; the core also stops when its parent is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def serve_core(engine_args: EngineArgs, transport: Transport, options: CoreOptions,
+               alive: Callable[[], bool], pid: int) -> int:
+    """Build the engine, say ``Ready`` and run the loop until ``Shutdown`` or a dead front end;
+    the exit code (1: the engine failed to start, ``CoreDead`` was sent, or the loop died)."""
     from pagedllm.engine.core import LLMEngine
     from pagedllm.engine.messages import Ready
 
-    transport = ZmqTransport(in_addr, out_addr)
+    if options.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(options.num_threads)
     engine = None
-    code = 0
     try:
         engine = LLMEngine.from_engine_args(engine_args)
         freeze_startup_heap()
-        transport.send(Ready(os.getpid(), engine.kv.num_blocks, engine.stats))
-        loop = CoreLoop(CoreService(engine.core), transport, batch_wait_ms / 1000.0,
-                        alive=lambda: os.getppid() == parent_pid)
-        loop.run()
+        transport.send(Ready(pid, engine.kv.num_blocks, engine.stats))
+        service = CoreService(engine.core, options.kv_events, options.data_parallel_rank)
+        CoreLoop(service, transport, options.batch_wait_ms / 1000.0, alive=alive).run()
     except BaseException as e:  # noqa: BLE001 - logged; the exit code tells the front end
         if engine is None:
             logger.exception("the engine core failed to start")
             transport.send(CoreDead(f"start-up failed: {type(e).__name__}: {e}"))
-        code = 1
+        return 1
     finally:
         if engine is not None:
             engine.shutdown()
+    return 0
+
+
+def run_core_process(engine_args: EngineArgs, in_addr: str, out_addr: str,
+                     options: CoreOptions, parent_pid: int) -> None:
+    """The entry point of the engine-core process. SIGINT and SIGTERM are left to the front
+    end, which drains and then sends ``Shutdown``; the core also stops when its parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    transport = ZmqTransport(in_addr, out_addr)
+    try:
+        code = serve_core(engine_args, transport, options,
+                          lambda: os.getppid() == parent_pid, os.getpid())
+    finally:
         transport.close()
     sys.exit(code)

@@ -12,6 +12,7 @@ process over ZMQ (``MPClient``).
     Shutdown ────────────────────────────────▶       abort the rest, stop TP workers, exit
                          ◀─── Accepted / Rejected    per EngineCoreRequest
                          ◀─── EngineCoreOutputs      per step: outputs + the step's StepStats
+                                                     (+ its KV events, for a router)
                          ◀─── UtilityResult          per UtilityCall
                          ◀─── Ready                  the core process is serving
                          ◀─── CoreDead               the core's last word before it exits
@@ -28,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from pagedllm.kv.events import KVEventBatch
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched.stats import StepStats
 
@@ -110,11 +112,13 @@ class EngineCoreOutputs(msgspec.Struct, tag=True, kw_only=True):
     """A step's outputs and its stats record; ``step`` False for a state change outside a step
     (aborts) whose ``stats`` is a snapshot without request events. The front end adds the
     request events (latencies, finish reasons) to ``stats`` when it turns the outputs into
-    ``RequestOutput``s (``engine.output.OutputProcessor``)."""
+    ``RequestOutput``s (``engine.output.OutputProcessor``). ``kv_events``: the step's KV cache
+    events, for a core asked for them (``core_proc.CoreOptions.kv_events``: a router's)."""
 
     outputs: list[EngineCoreOutput] = []
     stats: StepStats | None = None
     step: bool = True
+    kv_events: list[KVEventBatch] | None = None
 
 
 class Accepted(msgspec.Struct, tag=True):

@@ -10,8 +10,10 @@ import argparse
 from dataclasses import dataclass
 
 from pagedllm.flags import add_flags, from_namespace, setting
+from pagedllm.router.policy import IMBALANCE_THRESHOLD, ROUTING_POLICIES
 
 S = "server"
+DP = "data parallel"
 
 
 @dataclass
@@ -66,9 +68,26 @@ class ServerArgs:
     root_path: str = setting(
         "", "the path prefix a proxy serves the app under (ASGI root_path), e.g. /llm", group=S)
 
+    data_parallel_size: int = setting(
+        1, "engine-core replicas behind this server, each a whole copy of the model; each "
+        "request goes to one (--routing-policy)", "-dp", group=DP)
+    data_parallel_backend: str = setting(
+        "mp", "where replicas run: mp = processes on this machine, ray = Ray actors placed by Ray "
+        "on the cluster of RAY_ADDRESS (else a local Ray instance)", group=DP, choices=("mp", "ray"))
+    routing_policy: str = setting(
+        "cache_aware", "which replica serves a request: cache_aware = the longest cached prefix "
+        "(exact, from the replicas' KV events) unless the load is out of balance, least_load, "
+        "round_robin", group=DP, choices=ROUTING_POLICIES)
+    routing_imbalance_threshold: int = setting(
+        IMBALANCE_THRESHOLD, "cache_aware: when the replicas' request counts differ by more, "
+        "route to the least loaded whatever it has cached", group=DP)
+    data_parallel_threads: int | None = setting(
+        None, "torch threads per replica (default: this machine's cores / "
+        "--data-parallel-size; with ray also the CPUs each actor reserves)", group=DP)
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        add_flags(parser, ServerArgs, {S: "server"})
+        add_flags(parser, ServerArgs, {S: "server", DP: "data parallelism (names follow vLLM)"})
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:

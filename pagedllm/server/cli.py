@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.args import EngineArgs
+from pagedllm.config import EngineConfig
 from pagedllm.flags import apply_config_file
 from pagedllm.server.args import ServerArgs
 from pagedllm.server.vllm_flags import add_vllm_flags, check_vllm_flags
 
-__all__ = ["apply_config_file", "cmd_serve", "register"]
+__all__ = ["apply_config_file", "cmd_serve", "make_engine", "register"]
 
 
 def register(subparsers: Any) -> None:
@@ -51,8 +52,6 @@ def origins(value: str | None) -> list[str] | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pagedllm.engine import LLMEngine
-    from pagedllm.engine.client_mp import MPClient
     from pagedllm.engine.heap import freeze_startup_heap
     from pagedllm.server.api import ServerLimits, build_app
     from pagedllm.server.drain import DrainingServer
@@ -64,11 +63,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model_pos is not None:
         engine_args = dataclasses.replace(engine_args, model=args.model_pos)
     api_key = srv.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
-    # The engine core runs in its own process (started with the app, pagedllm/engine/core_proc.py)
-    # unless --engine-in-process; a bad setting fails here, before any process starts.
+    # The engine core runs in its own process (started with the app, pagedllm/engine/core_proc.py),
+    # or N of them (--data-parallel-size, pagedllm/router/client.py), unless --engine-in-process;
+    # a bad setting fails here, before any process starts.
     config = engine_args.create_engine_config()
-    engine: LLMEngine | MPClient = (LLMEngine.from_engine_args(engine_args) if srv.engine_in_process
-                                    else MPClient(engine_args, config, srv.batch_wait_ms))
+    engine = make_engine(srv, engine_args, config)
     name = srv.served_model_name
     if name is None and engine_args.model and not Path(engine_args.model).exists():
         name = engine_args.model  # a Hugging Face id: served by that name, not its cache path
@@ -98,3 +97,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     freeze_startup_heap()  # the app, the tokenizer, the modules: never walked by a collection
     server.run(sockets=[sock])
     return 0 if server.started else 3  # uvicorn's STARTUP_FAILURE
+
+
+def make_engine(srv: ServerArgs, engine_args: EngineArgs, config: EngineConfig) -> Any:
+    """The engine the app serves: one core in its own process (``MPClient``), N replicas
+    (``DPClient``: --data-parallel-size, or the ray backend), or an in-process engine."""
+    from pagedllm.engine import LLMEngine
+    from pagedllm.engine.client_mp import MPClient
+    from pagedllm.router.client import DPClient
+
+    dp = srv.data_parallel_size
+    if srv.engine_in_process:
+        if dp != 1:
+            raise ValueError("--engine-in-process runs one engine; drop it or "
+                             "--data-parallel-size")
+        return LLMEngine.from_engine_args(engine_args)
+    if dp == 1 and srv.data_parallel_backend == "mp":
+        return MPClient(engine_args, config, srv.batch_wait_ms, srv.data_parallel_threads)
+    return DPClient(engine_args, config, size=dp, backend=srv.data_parallel_backend,
+                    policy=srv.routing_policy, batch_wait_ms=srv.batch_wait_ms,
+                    num_threads=srv.data_parallel_threads,
+                    imbalance_threshold=srv.routing_imbalance_threshold)

@@ -6,12 +6,16 @@ as its client receives them: the gauges and engine counters from the latest reco
 reads true), the token counters and latency histograms from each step's record as it arrives
 (``on_step``, a listener of the client).
 
+Every series carries ``engine="i"``, the engine core (data-parallel replica) it counts, as
+vLLM's do: one core is ``engine="0"``; with ``--data-parallel-size N`` each replica has its own
+series (sum over ``engine`` for the server's total).
+
 Every app gets its own ``CollectorRegistry``: several servers in one process do not clash.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -26,6 +30,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+LABELS = ["model_name", "engine"]
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0)
 
@@ -38,38 +43,38 @@ class _EngineStateCollector(Collector):
         self.model_name = model_name
 
     def collect(self) -> Iterable[Metric]:
-        labels = [self.model_name]
+        # the latest record of each engine core, replaced whole as the core sends one
+        records = self.client.engine_stats()
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(labels, value)
-            return g
+        def family(kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str,
+                   value: Callable[[StepStats], float]) -> Metric:
+            m = kind(name, doc, labels=LABELS)
+            for i, s in records:
+                m.add_metric([self.model_name, str(i)], value(s))
+            return m
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(labels, value)
-            return c
-
-        s = self.client.stats  # the latest record, replaced whole as the core sends one
-        yield gauge("pagedllm:num_requests_running", "Sequences in the running batch.", s.num_running)
-        yield gauge("pagedllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
-        yield gauge("pagedllm:num_requests_swapped", "Sequences swapped out to the host tier.",
-                    s.num_swapped)
-        yield gauge("pagedllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
-                    s.kv.used / s.kv.total)
-        yield counter("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.prefix_cache_queries)
-        yield counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      s.prefix_cache_hits)
-        yield counter("pagedllm:num_preemptions", "Preemptions since start-up.", s.num_preemptions)
+        G, C = GaugeMetricFamily, CounterMetricFamily
+        yield family(G, "pagedllm:num_requests_running", "Sequences in the running batch.",
+                     lambda s: s.num_running)
+        yield family(G, "pagedllm:num_requests_waiting", "Sequences waiting to be scheduled.",
+                     lambda s: s.num_waiting)
+        yield family(G, "pagedllm:num_requests_swapped", "Sequences swapped out to the host tier.",
+                     lambda s: s.num_swapped)
+        yield family(G, "pagedllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
+                     lambda s: s.kv.used / s.kv.total if s.kv.total else 0.0)
+        yield family(C, "pagedllm:prefix_cache_queries",
+                     "Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries)
+        yield family(C, "pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                     lambda s: s.prefix_cache_hits)
+        yield family(C, "pagedllm:num_preemptions", "Preemptions since start-up.",
+                     lambda s: s.num_preemptions)
         if self.client.config.speculative is not None:  # speculative decoding (vLLM's names)
-            t = s.spec_total
-            yield counter("pagedllm:spec_decode_num_drafts", "Verifications of proposed tokens.",
-                          t.num_drafts)
-            yield counter("pagedllm:spec_decode_num_draft_tokens", "Proposed tokens verified.",
-                          t.num_draft_tokens)
-            yield counter("pagedllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
-                          t.num_accepted_tokens)
+            yield family(C, "pagedllm:spec_decode_num_drafts", "Verifications of proposed tokens.",
+                         lambda s: s.spec_total.num_drafts)
+            yield family(C, "pagedllm:spec_decode_num_draft_tokens", "Proposed tokens verified.",
+                         lambda s: s.spec_total.num_draft_tokens)
+            yield family(C, "pagedllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                         lambda s: s.spec_total.num_accepted_tokens)
 
 
 class ServerMetrics:
@@ -78,11 +83,14 @@ class ServerMetrics:
     def __init__(self, client: EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        r, lab = self.registry, ["model_name"]
+        r, lab = self.registry, LABELS
         self.prompt_tokens = Counter("pagedllm:prompt_tokens", "Prefilled prompt tokens.", lab, registry=r)
+        self.computed_prefill_tokens = Counter(
+            "pagedllm:computed_prefill_tokens", "Prompt positions computed (the prompt tokens "
+            "less the prefix-cache hits, plus recomputation after preemption).", lab, registry=r)
         self.generation_tokens = Counter("pagedllm:generation_tokens", "Generated tokens.", lab, registry=r)
         self.request_success = Counter("pagedllm:request_success", "Finished requests by reason.",
-                                       ["model_name", "finished_reason"], registry=r)
+                                       [*LABELS, "finished_reason"], registry=r)
         self.ttft = Histogram("pagedllm:time_to_first_token_seconds", "Time to first token.", lab,
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("pagedllm:inter_token_latency_seconds", "Time between output tokens.", lab,
@@ -91,18 +99,19 @@ class ServerMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         self.registry.register(_EngineStateCollector(client, model_name))
 
-    def on_step(self, stats: StepStats) -> None:
-        """Count one step's tokens and observe its latencies."""
-        m = self.model_name
-        self.prompt_tokens.labels(m).inc(stats.num_prompt_tokens)
-        self.generation_tokens.labels(m).inc(stats.num_generation_tokens)
+    def on_step(self, stats: StepStats, engine: int = 0) -> None:
+        """Count one step's tokens and observe its latencies (of engine core ``engine``)."""
+        m, e = self.model_name, str(engine)
+        self.prompt_tokens.labels(m, e).inc(stats.num_prompt_tokens)
+        self.computed_prefill_tokens.labels(m, e).inc(stats.num_prefill_tokens)
+        self.generation_tokens.labels(m, e).inc(stats.num_generation_tokens)
         for hist, values in ((self.ttft, stats.time_to_first_token_s),
                              (self.itl, stats.inter_token_latency_s),
                              (self.e2e, stats.e2e_latency_s)):
             for v in values:
-                hist.labels(m).observe(v)
+                hist.labels(m, e).observe(v)
         for reason in stats.finish_reasons:
-            self.request_success.labels(m, reason).inc()
+            self.request_success.labels(m, e, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

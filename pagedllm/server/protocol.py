@@ -384,7 +384,11 @@ class DetokenizeResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok"]
+    """``degraded``: serving with fewer engine replicas than it started with (``detail`` says
+    which are down)."""
+
+    status: Literal["ok", "degraded"]
+    detail: str | None = None
 
 
 class VersionResponse(BaseModel):

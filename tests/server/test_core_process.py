@@ -148,7 +148,7 @@ def test_core_process_matches_in_process_then_dies_loudly(chat_model: Path,
 
 def test_the_server_side_releases_memory_once_per_idle_spell(chat_model: Path) -> None:
     """The server process tokenizes and holds request bodies, so it gives what a burst freed
-    back once idle, as the core does (``MPClient.idle_release``): none at start-up, none while a
+    back once idle, as the core does (``MPClient.idle``): none at start-up, none while a
     request runs or a /tokenize-style job keeps coming, one after each idle spell."""
     from pagedllm._malloc import IdleRelease
 
@@ -160,7 +160,7 @@ def test_the_server_side_releases_memory_once_per_idle_spell(chat_model: Path) -
         try:
             released: list[int] = []  # requests finished at each release
             done = [0]
-            client.idle_release = IdleRelease(after_s=0.4, release=lambda: released.append(done[0]))
+            client.idle.release = IdleRelease(after_s=0.4, release=lambda: released.append(done[0]))
             await asyncio.sleep(1.0)  # idle since start-up: nothing to give back
             for i in range(2):
                 await _collect(client, f"r{i}", PROMPTS[i], _greedy(16))

@@ -17,9 +17,12 @@ router = APIRouter()
 
 @router.get("/health", responses=answers(HealthResponse, 503))
 async def health(srv: State) -> Response:
-    if not srv.async_engine.is_running:
+    client = srv.async_engine
+    if not client.is_running:
         return APIError(503, "the engine is not running; the server log has the details",
                         type="server_error").response()
+    if (why := client.degraded) is not None:  # a replica is down; the others serve
+        return JSONResponse({"status": "degraded", "detail": why})
     return JSONResponse({"status": "ok"})
 
 
