@@ -30,12 +30,12 @@ import asyncio
 import concurrent.futures
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.activity import Activity
 from pagedllm.engine.input import InputProcessor, PromptType
 from pagedllm.engine.messages import (
     Abort,
@@ -130,28 +130,6 @@ class OutputStream:
             if item.finished:
                 self.pending.discard(item.request_id)
             yield item
-
-
-class Activity:
-    """The front-end process's own work, beside the core's requests: HTTP requests (the server's
-    middleware) and tokenizer jobs in flight, and an ``epoch`` that moves whenever one starts or
-    ends. The process gives its freed memory back once nothing is in flight and the epoch stood
-    still (``MPClient``): a 1 MB prompt refused after tokenizing frees its memory when it ends,
-    not when it starts. Used from the event loop only."""
-
-    def __init__(self) -> None:
-        self.in_flight = 0
-        self.epoch = 0
-
-    @contextmanager
-    def __call__(self) -> Iterator[None]:
-        self.in_flight += 1
-        self.epoch += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-            self.epoch += 1
 
 
 class EngineClient:
