@@ -21,6 +21,7 @@ from pagedllm.server.strict import StrictModel
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_BAD_WORDS = 256  # each checked at every sampled token of the request
 
 
 class StreamOptions(StrictModel):
@@ -82,6 +83,7 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     priority: int = 0
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # keep the prompt's last k
     request_id: str | None = Field(default=None, min_length=1, max_length=256)  # the response's id
