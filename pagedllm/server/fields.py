@@ -36,7 +36,7 @@ logger = init_logger(__name__)
 AT_DEFAULT: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
     "return_token_ids": False,
-    "echo": False, "continue_final_message": False, "documents": None,
+    "echo": False, "documents": None,
     "watermarking": None, "logprob_token_ids": None,
     "structural_tag": None, "reasoning_effort": None, "thinking_token_budget": None,
     "include_reasoning": True,

@@ -199,6 +199,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: continue the last message (needs the above off)
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -214,6 +215,7 @@ class TokenizeRequest(StrictModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 

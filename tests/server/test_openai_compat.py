@@ -238,3 +238,24 @@ def test_bad_words_are_never_generated(server: ServerThread) -> None:
     for bad in ([""], "t5", [5], ["t5"] * 257):
         r = _post(server, "/v1/completions", {"prompt": "t5", "max_tokens": 1, "bad_words": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", (bad, r.text)
+
+
+def test_continue_final_message(server: ServerThread) -> None:
+    """vLLM's: the last message is continued (the test template joins contents with spaces and
+    adds "t4" as the generation prompt), and it needs add_generation_prompt false."""
+    msgs = [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": "t7 t8"}]
+    tok = _post(server, "/tokenize", {"messages": msgs, "add_generation_prompt": False,
+                                      "continue_final_message": True})
+    assert tok.json()["tokens"] == [5, 6, 7, 8]
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    r = _post(server, "/v1/chat/completions", {**body, "messages": msgs,
+                                               "add_generation_prompt": False,
+                                               "continue_final_message": True})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 4
+    ref = _post(server, "/v1/completions", {**body, "prompt": [5, 6, 7, 8]}).json()
+    assert r.json()["choices"][0]["message"]["content"] == ref["choices"][0]["text"]
+    for path, extra in (("/v1/chat/completions", body), ("/tokenize", {})):
+        # add_generation_prompt defaults to true
+        r = _post(server, path, {**extra, "messages": msgs, "continue_final_message": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+        assert "Cannot set both" in r.json()["error"]["message"]
