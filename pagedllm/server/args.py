@@ -7,11 +7,26 @@ Built like ``pagedllm.EngineArgs`` (``pagedllm.flags``): the fields make the fla
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from pagedllm.flags import add_flags, from_namespace, setting
 
 S = "server"
+STATS_INTERVAL_S = 10.0  # the periodic stats line (server.stats_log), as vLLM's
+
+
+def stats_interval() -> float:
+    """Seconds between two stats lines: $PAGEDLLM_LOG_STATS_INTERVAL (vLLM:
+    VLLM_LOG_STATS_INTERVAL), default ``STATS_INTERVAL_S``."""
+    value = os.environ.get("PAGEDLLM_LOG_STATS_INTERVAL")
+    try:
+        interval = STATS_INTERVAL_S if value is None else float(value)
+    except ValueError:
+        interval = -1.0
+    if not interval > 0:
+        raise ValueError(f"PAGEDLLM_LOG_STATS_INTERVAL={value!r}: give a number of seconds > 0")
+    return interval
 
 
 @dataclass
@@ -65,6 +80,9 @@ class ServerArgs:
         "list ('*': any); default: no CORS headers", group=S)
     root_path: str = setting(
         "", "the path prefix a proxy serves the app under (ASGI root_path), e.g. /llm", group=S)
+    disable_log_stats: bool = setting(
+        False, "do not log throughput, running/waiting requests and KV cache usage every "
+        f"{STATS_INTERVAL_S:g} s", group=S)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from pagedllm.args import EngineArgs
 from pagedllm.flags import apply_config_file
-from pagedllm.server.args import ServerArgs
+from pagedllm.server.args import ServerArgs, stats_interval
 from pagedllm.server.vllm_flags import add_vllm_flags, check_vllm_flags
 
 __all__ = ["apply_config_file", "cmd_serve", "register"]
@@ -78,7 +78,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     kv_inspector_show_text=srv.kv_inspector_show_text,
                     tool_call_parser=srv.tool_call_parser,
                     chat_template=srv.chat_template, log_requests=srv.enable_log_requests,
-                    allowed_origins=allowed_origins)
+                    allowed_origins=allowed_origins,
+                    log_stats_interval=None if srv.disable_log_stats else stats_interval())
     if srv.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {srv.host} without --api-key", flush=True)
     # SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to --drain-timeout,
