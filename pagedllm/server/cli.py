@@ -60,6 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_vllm_flags(args)
     srv = ServerArgs.from_cli(args)
     allowed_origins = origins(srv.allowed_origins)  # a bad list fails before any process starts
+    ssl = srv.ssl_config()  # so does a missing certificate
     engine_args = EngineArgs.from_cli(args)
     if args.model_pos is not None:
         engine_args = dataclasses.replace(engine_args, model=args.model_pos)
@@ -94,8 +95,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((srv.host, srv.port))
     host = f"[{srv.host}]" if ":" in srv.host else srv.host
-    print(f"pagedllm serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True)
-    server = DrainingServer(app, srv.drain_timeout, log_level=srv.log_level, root_path=srv.root_path)
+    scheme = "https" if ssl else "http"
+    print(f"pagedllm serve: listening on {scheme}://{host}:{sock.getsockname()[1]}", flush=True)
+    server = DrainingServer(app, srv.drain_timeout, log_level=srv.log_level, root_path=srv.root_path,
+                            **ssl)
     freeze_startup_heap()  # the app, the tokenizer, the modules: never walked by a collection
     server.run(sockets=[sock])
     return 0 if server.started else 3  # uvicorn's STARTUP_FAILURE
