@@ -31,6 +31,7 @@ import subprocess
 import tempfile
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -177,18 +178,20 @@ def _build(lib: Path) -> None:
         compiles, link = _commands(tmp)
         t0 = time.monotonic()
         logger.info("compiling pagedllm CPU kernels (%d sources in parallel, once per machine; "
-                    "about a minute) into %s", len(compiles), lib.parent)
+                    "a minute or more) into %s", len(compiles), lib.parent)
 
         def start(cmd: list[str]) -> subprocess.Popen[str]:
             return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True)
 
         try:
-            running = [(c, start(c)) for c in compiles]
-            for i, (src, (cmd, proc)) in enumerate(zip(SOURCES, running), 1):
-                _finish(cmd, proc)
-                logger.info("compiling pagedllm CPU kernels: %d/%d %s (%.0f s)", i, len(running),
-                            src, time.monotonic() - t0)
+            # the sources in parallel, each reported as it finishes
+            with ThreadPoolExecutor(len(compiles)) as pool:
+                done = {pool.submit(_finish, c, start(c)): src for c, src in zip(compiles, SOURCES)}
+                for i, fut in enumerate(as_completed(done), 1):
+                    fut.result()
+                    logger.info("compiling pagedllm CPU kernels: %d/%d %s (%.0f s)", i,
+                                len(done), done[fut], time.monotonic() - t0)
             _finish(link, start(link))
             os.replace(tmp, lib)
         except OSError as e:  # the compiler itself is missing

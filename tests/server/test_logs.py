@@ -9,7 +9,6 @@ import io
 import logging
 import os
 import re
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -75,24 +74,26 @@ def test_startup_says_model_dtype_device_and_pool_in_one_info_line(tiny_models: 
 
 def test_kernel_build_logs_start_progress_and_done(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The build's commands replaced by quick ones (a real build takes a minute: the slow
-    test_fresh_cache_compiles_once); the log lines are the build's own."""
+    """The build's commands replaced by sleeps that end in reverse order (a real build takes a
+    minute or more: the slow test_fresh_cache_compiles_once); the log lines are the build's."""
     from pagedllm import kernels
 
-    def commands(out: Path) -> tuple[list[list[str]], list[str]]:
-        sleep = [sys.executable, "-c", "import time; time.sleep(0.05)"]
-        return [sleep] * len(kernels.SOURCES), ["touch", str(out)]
+    n = len(kernels.SOURCES)
+
+    def commands(out: Path) -> tuple[list[list[str]], list[str]]:  # the last source first
+        return [["sleep", f"{0.25 * (n - i):.2f}"] for i in range(n)], ["touch", str(out)]
 
     monkeypatch.setattr(kernels, "_commands", commands)
     lib = tmp_path / "kernels" / "key" / "pagedllm_kernels.so"
     with pagedllm_log(logging.INFO) as records:
         kernels._build(lib)
     lines = [m for _, m in records]
-    n = len(kernels.SOURCES)
     assert lib.exists() and len(lines) == n + 2, lines
     assert lines[0].startswith(f"compiling pagedllm CPU kernels ({n} sources")
+    # each source as it finishes (they compile in parallel)
     assert [re.sub(r" \(\d+ s\)$", "", m) for m in lines[1:-1]] == [
-        f"compiling pagedllm CPU kernels: {i}/{n} {src}" for i, src in enumerate(kernels.SOURCES, 1)]
+        f"compiling pagedllm CPU kernels: {i}/{n} {src}"
+        for i, src in enumerate(reversed(kernels.SOURCES), 1)]
     assert re.fullmatch(r"compiled pagedllm CPU kernels: done in \d+\.\d s", lines[-1])
 
 
