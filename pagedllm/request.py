@@ -70,6 +70,8 @@ class Request:
     # (pagedllm/spec_decode); never part of ``token_ids`` until accepted
     spec_token_ids: list[int] = field(default_factory=list)
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    # token sequences it may never generate (``SamplingParams.bad_words``, tokenized at admission)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -119,6 +121,17 @@ class Request:
             return False
         last, p = self.token_ids[-1], self.params
         return (not p.ignore_eos and last in self.eos_token_ids) or last in p.stop_token_ids
+
+    def bad_word_bans(self) -> list[int]:
+        """The tokens the next one may not be: the last token of each bad word whose other
+        tokens the output ends with (vLLM's rule: only generated tokens count)."""
+        bans = []
+        n_out = self.num_output_tokens
+        for word in self.bad_words_token_ids:
+            k = len(word) - 1
+            if k == 0 or (k <= n_out and tuple(self.token_ids[-k:]) == word[:-1]):
+                bans.append(word[-1])
+        return bans
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

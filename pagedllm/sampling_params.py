@@ -96,6 +96,9 @@ class SamplingParams:
     ``logit_bias``: token id -> a value in [-100, 100] added to its logit before sampling
     (OpenAI's semantics: -100 bans the token in practice, 100 all but forces it).
     ``allowed_token_ids``: only these tokens may be sampled.
+    ``bad_words``: words the output may never contain as generated tokens (vLLM's): each word is
+    tokenized at admission, alone and after a space, and the last token of a word's tokens is
+    banned whenever the output so far ends with the others (a one-token word is always banned).
     """
 
     n: int = 1
@@ -120,6 +123,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         stop: object = self.stop
@@ -135,6 +139,12 @@ class SamplingParams:
                     or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids (ints)")
             self.allowed_token_ids = sorted(set(ids))
+        if self.bad_words is not None:
+            words = self.bad_words
+            if (not isinstance(words, (list, tuple))
+                    or not all(isinstance(w, str) and w.strip() for w in words)):
+                raise ValueError("bad_words must be a list of words (non-blank strings)")
+            self.bad_words = list(words) or None
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
@@ -175,9 +185,12 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         # generated text is valid Unicode: a stop string with a lone surrogate could never match
-        where = next((w for w in map(lone_surrogate, self.stop) if w is not None), None)
-        if where is not None:
-            raise bad("stop", f"contains a lone UTF-16 surrogate ({where}); send valid Unicode text")
+        for name in ("stop", "bad_words"):
+            where = next((w for w in map(lone_surrogate, getattr(self, name) or ())
+                          if w is not None), None)
+            if where is not None:
+                raise bad(name, f"contains a lone UTF-16 surrogate ({where}); send valid Unicode "
+                                "text")
 
     def token_id_fields(self) -> dict[str, list[int]]:
         """The token ids this request carries, by field name; the engine checks every one against

@@ -58,13 +58,14 @@ def serve_subprocess(args: list[str], log: IO[str] | None = None, timeout: float
                 raise failed(f"did not report its port within {timeout:.0f} s") from None
             if line is None:
                 raise failed(f"exited with {proc.wait()} at start-up")
-            found = re.search(r"listening on (http://\S+)", line)
+            found = re.search(r"listening on (https?://\S+)", line)
             base = found.group(1) if found else None
         while True:  # bound at once, listening once the engine has started
             if proc.poll() is not None:
                 raise failed(f"exited with {proc.returncode} at start-up")
             try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                # a test's self-signed certificate (--ssl-certfile) is not checked here
+                if httpx.get(base + "/health", timeout=1, verify=False).status_code == 200:
                     break
             except httpx.TransportError:
                 pass

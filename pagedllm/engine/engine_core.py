@@ -28,7 +28,7 @@ from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.executor import Executor, make_executor
 from pagedllm.generation_config import load_generation_defaults
 from pagedllm.kv.manager import KVCacheManager
-from pagedllm.kv.plan import plan_kv_pool
+from pagedllm.kv.plan import KVPoolPlan, plan_kv_pool
 from pagedllm.kv.publisher import ZmqEventPublisher
 from pagedllm.logging_utils import init_logger
 from pagedllm.lora.request import LoRARequest
@@ -57,12 +57,7 @@ class EngineCore:
         executor = make_executor(config)  # rank 0 here; with TP, the other ranks started
         self.kv_plan = p = plan_kv_pool(config.model, config.cache, config.scheduler,
                                         _profiled_budget(config, executor))
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s, %d bytes/token); %s",
-            p.num_blocks, p.block_size, p.num_tokens, p.nbytes / 2**20,
-            config.cache.kv_dtype_label(config.model), p.bytes_per_block // p.block_size,
-            p.fit_summary(),
-        )
+        logger.info(startup_line(config, p))
         self.scheduler = build_scheduler(config, p, scheduler_cls)  # as the planner's replay
         self.kv: KVCacheManager = self.scheduler.kv
         self.memory: KVMemoryPolicy = self.scheduler.memory
@@ -288,6 +283,24 @@ class EngineCore:
         from pagedllm.engine.core_outputs import kv_stats
 
         return kv_stats(self.current_stats(), self.config, self.kv.sliding_window)
+
+
+def startup_line(config: EngineConfig, p: KVPoolPlan) -> str:
+    """The one start-up line: model, dtype, device and KV pool (the tuning choices: DEBUG)."""
+    m = config.model
+    dtype = m.dtype if m.weight_dtype is None else f"{m.dtype} (linear weights {m.weight_dtype})"
+    device = config.device
+    if device == "cpu":
+        from pagedllm import kernels
+
+        device += f" (CPU kernels {kernels.isa()})" if kernels.available() else " (pure torch)"
+    tp = config.parallel.tensor_parallel_size
+    if tp > 1:
+        device += f" x {tp} (tensor parallel)"
+    return (f"model {m.model} ({m.architecture}), dtype {dtype}, device {device}; KV cache: "
+            f"{p.num_blocks} blocks x {p.block_size} tokens = {p.num_tokens} tokens "
+            f"({p.nbytes / 2**20:.1f} MiB, {config.cache.kv_dtype_label(m)}, "
+            f"{p.bytes_per_block // p.block_size} bytes/token); {p.fit_summary()}")
 
 
 def _profiled_budget(config: EngineConfig, executor: Executor) -> int | None:

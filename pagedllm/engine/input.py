@@ -70,6 +70,24 @@ class InputProcessor:
             return e
         return None
 
+    def bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """``SamplingParams.bad_words`` as token sequences, as vLLM tokenizes them: each word
+        alone (it may start the output) and after a space (mid-text), the latter kept only where
+        the space makes a different first token of as many tokens. Raises ValueError for ids
+        outside the model's vocabulary."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if not alone:
+                raise ValueError(f"bad_words entry {word!r} encodes to no token of this model's "
+                                 "tokenizer; remove it")
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        check_token_ids("bad_words", [t for w in out for t in w], self.config.model.vocab_size)
+        return tuple(dict.fromkeys(out))
+
     def fan_out(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                 priority: int, arrival: float,
                 lora_request: LoRARequest | None = None) -> list[Request]:
@@ -79,6 +97,7 @@ class InputProcessor:
         if params.n > limit:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={limit}: the n sequences of a "
                              f"request run together; lower n or raise --max-num-seqs")
+        bad_words = self.bad_words_token_ids(params.bad_words or [])
         children = []
         for i in range(params.n):
             if params.n > 1:
@@ -90,6 +109,7 @@ class InputProcessor:
                 request_id=child_id, prompt_token_ids=prompt_ids, params=child_params,
                 eos_token_ids=self.eos_token_ids, max_model_len=self.config.scheduler.max_model_len,
                 priority=priority, arrival_time=arrival, lora_request=lora_request,
+                bad_words_token_ids=bad_words,
             ))
         return children
 

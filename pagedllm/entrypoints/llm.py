@@ -100,17 +100,21 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
         several (a list of them), rendered by the tokenizer's chat template or ``chat_template``
         (a file or the Jinja text); ``chat_template_kwargs`` go to the template (e.g.
-        ``{"enable_thinking": False}``), ``tools`` too."""
+        ``{"enable_thinking": False}``), ``tools`` too. ``continue_final_message=True`` (with
+        ``add_generation_prompt=False``): the model continues the last message (a prefilled
+        assistant reply) instead of starting a new one."""
         convs: list[Any] = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         template = load_chat_template(chat_template, "chat_template")
         prompts: list[PromptType] = [{"prompt_token_ids": render_chat(
             self.engine.tokenizer, list(conv), add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tools=tools, chat_template=template, chat_template_kwargs=chat_template_kwargs)}
             for conv in convs]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)

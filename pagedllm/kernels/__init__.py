@@ -17,7 +17,7 @@ kernels off (no build is attempted).
 CPU's best, ``-march=native``), ``avx512`` (the same, refused on a CPU without AVX-512F) or
 ``avx2`` (``-march=haswell``: AVX2, FMA and F16C, no AVX-512, so a machine with AVX-512 runs and
 tests the code an AVX2-only CPU runs). Each ISA's build has its own cache key (the flags are in
-it); the ISA in use is logged once and read by ``isa()``.
+it); the ISA in use is named in the engine's start-up line and read by ``isa()``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ import platform
 import shlex
 import subprocess
 import tempfile
+import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -159,25 +161,37 @@ def _finish(cmd: list[str], proc: subprocess.Popen[str]) -> None:
 
 
 def _build(lib: Path) -> None:
-    """Compile into ``lib`` unless another process already did; raises on failure."""
+    """Compile into ``lib`` unless another process already did; raises on failure. Logs a start
+    line, one line per compiled source and "done in X s" (a first start waits on it)."""
     lib.parent.mkdir(parents=True, exist_ok=True)
     with open(lib.parent / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; the others wait, then load
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # one builder at a time; the others wait, then load
+            logger.info("waiting for another process to finish compiling pagedllm CPU kernels")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if lib.exists():
             return
         fd, name = tempfile.mkstemp(suffix=".so", dir=lib.parent)
         os.close(fd)
         tmp = Path(name)
         compiles, link = _commands(tmp)
-        logger.info("compiling pagedllm CPU kernels (once per machine) into %s", lib.parent)
+        t0 = time.monotonic()
+        logger.info("compiling pagedllm CPU kernels (%d sources in parallel, once per machine; "
+                    "a minute or more) into %s", len(compiles), lib.parent)
 
         def start(cmd: list[str]) -> subprocess.Popen[str]:
             return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True)
 
         try:
-            for cmd, proc in [(c, start(c)) for c in compiles]:  # the sources in parallel
-                _finish(cmd, proc)
+            # the sources in parallel, each reported as it finishes
+            with ThreadPoolExecutor(len(compiles)) as pool:
+                done = {pool.submit(_finish, c, start(c)): src for c, src in zip(compiles, SOURCES)}
+                for i, fut in enumerate(as_completed(done), 1):
+                    fut.result()
+                    logger.info("compiling pagedllm CPU kernels: %d/%d %s (%.0f s)", i,
+                                len(done), done[fut], time.monotonic() - t0)
             _finish(link, start(link))
             os.replace(tmp, lib)
         except OSError as e:  # the compiler itself is missing
@@ -185,6 +199,7 @@ def _build(lib: Path) -> None:
         finally:
             for f in tmp.parent.glob(tmp.stem + ".*"):  # objects, and the library if not moved
                 f.unlink()
+        logger.info("compiled pagedllm CPU kernels: done in %.1f s", time.monotonic() - t0)
 
 
 def available() -> bool:
@@ -209,7 +224,7 @@ def available() -> bool:
             "this attempt.", RuntimeWarning, stacklevel=2)
         return False
     _state["loaded"], _state["path"] = True, lib
-    logger.info("pagedllm CPU kernels: %s (PAGEDLLM_ISA=%s, CPU %s)", isa_,
+    logger.debug("pagedllm CPU kernels: %s (PAGEDLLM_ISA=%s, CPU %s)", isa_,
                 os.environ.get("PAGEDLLM_ISA", "auto"), cpu_model())
     return True
 

@@ -1,7 +1,7 @@
 """Batched sampling: every per-request parameter lives in a tensor row.
 
 Pipeline over logits [B, V] (fp32):
-  raw log-softmax (for logprobs) -> penalties -> logit_bias -> min_tokens bans
+  raw log-softmax (for logprobs) -> penalties -> logit_bias -> bans (min_tokens, bad words)
   -> token masks (grammars, allowed_token_ids; only the rows that have one) -> greedy argmax
   -> temperature -> top-k / top-p / min-p -> exponential-race sampling.
 
@@ -33,7 +33,8 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None = None  # [B]
     output_counts: torch.Tensor | None = None  # [B, V] counts of generated tokens
     prompt_mask: torch.Tensor | None = None  # [B, V] bool: token occurs in the prompt
-    # min_tokens: (rows, token ids), two equal-length int64 tensors; logits[rows, ids] = -inf
+    # bans (min_tokens, bad words): (rows, token ids), two equal-length int64 tensors;
+    # logits[rows, ids] = -inf
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     # logit_bias: (rows, token ids, values), three equal-length tensors; added to the logits
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None

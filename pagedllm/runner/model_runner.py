@@ -13,6 +13,7 @@ to be sized from ``gpu_memory_utilization`` the runner profiles the worst-case s
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -121,10 +122,11 @@ class ModelRunner:
                 pack_linears(self.model, config.linear_backend, w16_torch)
             if config.linear_backend != "torch" or config.batch_invariant:
                 kinds = [m.kind for m in self.model.modules() if isinstance(m, Linear)]
-                logger.info("linear layers per kind: %s", {k: kinds.count(k) for k in set(kinds)})
+                logger.debug("linear layers per kind: %s", {k: kinds.count(k) for k in set(kinds)})
             if (hint := _openmp.advice(torch.get_num_threads())) is not None:
-                logger.info(hint)
-            logger.info(_hugepages.CHOICE)
+                # pagedllm's own choice is a tuning detail; advice the user can act on is not
+                logger.log(logging.DEBUG if hint == _openmp.CHOICE else logging.INFO, hint)
+            logger.debug(_hugepages.CHOICE)
         cache = config.cache
         if cache.kv_quantized and not self.backend.supports_quantized_kv:
             raise ValueError(
@@ -162,7 +164,7 @@ class ModelRunner:
         host = cache.num_host_blocks(self.config.model)
         self.kv_cache = self.new_kv_cache(num_blocks, host)
         if self.device.type == "cpu":  # after the weights and the pool: steps reuse their memory
-            logger.info(_malloc.keep_freed_memory())
+            logger.debug(_malloc.keep_freed_memory())
         if self.device.type == "cuda" and not self.use_cuda_graphs and not self.config.enforce_eager:
             logger.info("CUDA graphs off: attention backend %r does not support them%s",
                         self.backend.name, " (tensor parallel)" if self.tp is not None else "")

@@ -1,7 +1,7 @@
 """A step's sampling rows -> ``SamplingMetadata``: per-row parameters as device tensors, only
 for what some row uses (an all-greedy batch sends one temperature tensor), the seeded
-generators, penalty counts and min_tokens bans. Rows are looked at once for everything most
-batches have none of."""
+generators, penalty counts and the bans (min_tokens, bad words). Rows are looked at once for
+everything most batches have none of."""
 
 from __future__ import annotations
 
@@ -66,8 +66,10 @@ def sampling_metadata(sched: list[ScheduledRequest], up: Uploader,
         masks = masks or p.masks_tokens
         if p.logprobs is not None and (k_max is None or p.logprobs > k_max):
             k_max = p.logprobs
+        ban = r.bad_word_bans() if r.bad_words_token_ids else []
         if p.min_tokens and r.num_output_tokens < p.min_tokens:
-            ban = list(r.eos_token_ids) + list(p.stop_token_ids or [])
+            ban += list(r.eos_token_ids) + list(p.stop_token_ids or [])
+        if ban:
             rows.extend([row] * len(ban))
             bans.extend(ban)
     if penalties:

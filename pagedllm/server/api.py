@@ -16,6 +16,7 @@ streaming in ``responses``.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -39,6 +40,7 @@ from pagedllm.server.openapi import install as install_openapi
 from pagedllm.server.routes import chat, completions, docs, health, inspector, models, tokenize
 from pagedllm.server.routes.common import RouteOptions
 from pagedllm.server.serving import APIError, ServerLimits, ServerState, served_model_name
+from pagedllm.server.stats_log import StatsLogger
 from pagedllm.server.tools import PARSERS
 
 __all__ = ["APIError", "ServerLimits", "build_app"]
@@ -53,7 +55,8 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
               kv_inspector_show_text: bool = False,
               tool_call_parser: str | None = None,
               chat_template: str | None = None, log_requests: bool = False,
-              allowed_origins: list[str] | None = None) -> FastAPI:
+              allowed_origins: list[str] | None = None,
+              log_stats_interval: float | None = None) -> FastAPI:
     """The app for one engine: an ``EngineClient`` (``pagedllm serve`` passes an ``MPClient``,
     the core in its own process), or an ``LLMEngine``, served by an ``InProcessClient`` (a core
     thread). The client starts and stops with the app's lifespan.
@@ -66,7 +69,9 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
     ``tool_call_parser``: see ``server.tools.PARSERS`` (tool_choice 'auto' needs one);
     ``chat_template``: a Jinja template (file or text) instead of the tokenizer's;
     ``log_requests``: log each request's id, endpoint and sampling parameters;
-    ``allowed_origins``: CORS (Starlette's middleware) for these origins ("*": any)."""
+    ``allowed_origins``: CORS (Starlette's middleware) for these origins ("*": any);
+    ``log_stats_interval``: log throughput, queues and KV usage every so many seconds
+    (``server.stats_log``; ``pagedllm serve``: 10, off with --disable-log-stats)."""
     template = load_chat_template(chat_template)
     if tool_call_parser not in (None, *PARSERS):
         raise ValueError(f"--tool-call-parser {tool_call_parser!r}: choose {', '.join(PARSERS)}")
@@ -85,6 +90,8 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
     app.state.async_engine = client
     app.state.metrics = srv.metrics
     app.state.kv_inspector = KVInspector(client, kv_inspector_show_text) if kv_inspector else None
+    app.state.stats_logger = (None if log_stats_interval is None
+                              else StatsLogger(client, log_stats_interval))
     _add_error_handlers(app)
     app.add_middleware(_Unhandled)
     app.add_middleware(_Activity, client=client)
@@ -108,12 +115,16 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     client: EngineClient = app.state.async_engine
     kv: KVInspector | None = app.state.kv_inspector
+    stats: StatsLogger | None = app.state.stats_logger
     await client.start()
     if kv is not None:
         kv.start()
+    stats_task = None if stats is None else asyncio.create_task(stats.run())
     try:
         yield
     finally:
+        if stats_task is not None:
+            stats_task.cancel()
         if kv is not None:
             await kv.stop()
         await client.shutdown()

@@ -7,13 +7,29 @@ Built like ``pagedllm.EngineArgs`` (``pagedllm.flags``): the fields make the fla
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
+from typing import Any
 
 from pagedllm.flags import add_flags, from_namespace, setting
 from pagedllm.router.policy import IMBALANCE_THRESHOLD, ROUTING_POLICIES
 
 S = "server"
 DP = "data parallel"
+STATS_INTERVAL_S = 10.0  # the periodic stats line (server.stats_log), as vLLM's
+
+
+def stats_interval() -> float:
+    """Seconds between two stats lines: $PAGEDLLM_LOG_STATS_INTERVAL (vLLM:
+    VLLM_LOG_STATS_INTERVAL), default ``STATS_INTERVAL_S``."""
+    value = os.environ.get("PAGEDLLM_LOG_STATS_INTERVAL")
+    try:
+        interval = STATS_INTERVAL_S if value is None else float(value)
+    except ValueError:
+        interval = -1.0
+    if not interval > 0:
+        raise ValueError(f"PAGEDLLM_LOG_STATS_INTERVAL={value!r}: give a number of seconds > 0")
+    return interval
 
 
 @dataclass
@@ -67,6 +83,20 @@ class ServerArgs:
         "list ('*': any); default: no CORS headers", group=S)
     root_path: str = setting(
         "", "the path prefix a proxy serves the app under (ASGI root_path), e.g. /llm", group=S)
+    ssl_keyfile: str | None = setting(
+        None, "TLS: the server's private key (PEM); with --ssl-certfile, serve HTTPS", group=S,
+        metavar="FILE")
+    ssl_certfile: str | None = setting(
+        None, "TLS: the server's certificate chain (PEM); serve HTTPS", group=S, metavar="FILE")
+    ssl_ca_certs: str | None = setting(
+        None, "TLS: CA certificates that client certificates are checked against", group=S,
+        metavar="FILE")
+    ssl_cert_reqs: int = setting(
+        0, "TLS: whether clients must present a certificate (Python's ssl.CERT_*): 0 no, "
+        "1 optional, 2 required", group=S, choices=(0, 1, 2))
+    disable_log_stats: bool = setting(
+        False, "do not log throughput, running/waiting requests and KV cache usage every "
+        f"{STATS_INTERVAL_S:g} s", group=S)
 
     data_parallel_size: int = setting(
         1, "engine-core replicas behind this server, each a whole copy of the model; each "
@@ -92,3 +122,20 @@ class ServerArgs:
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:
         return from_namespace(cls, ns)
+
+    def ssl_config(self) -> dict[str, Any]:
+        """uvicorn's TLS keywords ({} without --ssl-certfile). ValueError naming the flag for a
+        key without a certificate or a file that is not there."""
+        if self.ssl_certfile is None:
+            for flag, value in (("--ssl-keyfile", self.ssl_keyfile),
+                                ("--ssl-ca-certs", self.ssl_ca_certs)):
+                if value is not None:
+                    raise ValueError(f"{flag} needs --ssl-certfile (the server's certificate)")
+            return {}
+        for flag, value in (("--ssl-certfile", self.ssl_certfile),
+                            ("--ssl-keyfile", self.ssl_keyfile),
+                            ("--ssl-ca-certs", self.ssl_ca_certs)):
+            if value is not None and not os.path.isfile(value):
+                raise ValueError(f"{flag} {value!r} is not a file")
+        return {"ssl_certfile": self.ssl_certfile, "ssl_keyfile": self.ssl_keyfile,
+                "ssl_ca_certs": self.ssl_ca_certs, "ssl_cert_reqs": self.ssl_cert_reqs}

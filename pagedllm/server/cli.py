@@ -20,7 +20,7 @@ from typing import Any
 from pagedllm.args import EngineArgs
 from pagedllm.config import EngineConfig
 from pagedllm.flags import apply_config_file
-from pagedllm.server.args import ServerArgs
+from pagedllm.server.args import ServerArgs, stats_interval
 from pagedllm.server.vllm_flags import add_vllm_flags, check_vllm_flags
 
 __all__ = ["apply_config_file", "cmd_serve", "make_engine", "register"]
@@ -59,6 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_vllm_flags(args)
     srv = ServerArgs.from_cli(args)
     allowed_origins = origins(srv.allowed_origins)  # a bad list fails before any process starts
+    ssl = srv.ssl_config()  # so does a missing certificate
     engine_args = EngineArgs.from_cli(args)
     if args.model_pos is not None:
         engine_args = dataclasses.replace(engine_args, model=args.model_pos)
@@ -77,7 +78,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     kv_inspector_show_text=srv.kv_inspector_show_text,
                     tool_call_parser=srv.tool_call_parser,
                     chat_template=srv.chat_template, log_requests=srv.enable_log_requests,
-                    allowed_origins=allowed_origins)
+                    allowed_origins=allowed_origins,
+                    log_stats_interval=None if srv.disable_log_stats else stats_interval())
     if srv.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {srv.host} without --api-key", flush=True)
     # SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to --drain-timeout,
@@ -92,8 +94,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((srv.host, srv.port))
     host = f"[{srv.host}]" if ":" in srv.host else srv.host
-    print(f"pagedllm serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True)
-    server = DrainingServer(app, srv.drain_timeout, log_level=srv.log_level, root_path=srv.root_path)
+    scheme = "https" if ssl else "http"
+    print(f"pagedllm serve: listening on {scheme}://{host}:{sock.getsockname()[1]}", flush=True)
+    server = DrainingServer(app, srv.drain_timeout, log_level=srv.log_level, root_path=srv.root_path,
+                            **ssl)
     freeze_startup_heap()  # the app, the tokenizer, the modules: never walked by a collection
     server.run(sockets=[sock])
     return 0 if server.started else 3  # uvicorn's STARTUP_FAILURE

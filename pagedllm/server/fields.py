@@ -35,15 +35,14 @@ logger = init_logger(__name__)
 # vLLM fields pagedllm does not implement: accepted at their default value only
 AT_DEFAULT: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
-    "bad_words": [], "return_token_ids": False,
-    "echo": False, "continue_final_message": False, "documents": None,
+    "return_token_ids": False,
+    "echo": False, "documents": None,
     "watermarking": None, "logprob_token_ids": None,
     "structural_tag": None, "reasoning_effort": None, "thinking_token_budget": None,
     "include_reasoning": True,
 }
 _HINTS = {
     "use_beam_search": "beam search runs offline only (LLM.beam_search)",
-    "bad_words": "use logit_bias to ban tokens",
 }
 BACKENDS = (None, "auto", "guidance", "llguidance")
 

@@ -21,6 +21,7 @@ from pagedllm.server.strict import StrictModel
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_BAD_WORDS = 256  # each checked at every sampled token of the request
 
 
 class StreamOptions(StrictModel):
@@ -82,6 +83,7 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     priority: int = 0
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # keep the prompt's last k
     request_id: str | None = Field(default=None, min_length=1, max_length=256)  # the response's id
@@ -197,6 +199,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: continue the last message (needs the above off)
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -212,6 +215,7 @@ class TokenizeRequest(StrictModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 

@@ -291,6 +291,7 @@ class ServerState:
                                 default=None),
             logit_bias=req.logit_bias or None,
             allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words or None,
             structured_outputs=structured,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,

@@ -9,7 +9,6 @@ from pydantic import BaseModel, ConfigDict, GetJsonSchemaHandler, model_validato
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
-
 _META = ("title", "default", "description", "examples", "deprecated")
 
 

@@ -9,7 +9,6 @@ import sys
 
 # flag -> why it has no effect here (store_true flags)
 HARMLESS = {
-    "--disable-log-stats": "pagedllm logs no periodic stats line (see /metrics)",
     "--trust-remote-code": "pagedllm runs its own model code, never the checkpoint's",
     "--disable-log-requests": "requests are logged only with --enable-log-requests",
     "--enable-auto-tool-choice": "tool_choice 'auto' is on whenever --tool-call-parser is set",

@@ -10,7 +10,8 @@ the KV back past them (``KVCacheManager.rollback``), and ``record`` counts the s
 
 Requests that never propose (they run as plain decodes in the same step): beams (their step is
 scored, not appended), requests with presence / frequency / repetition penalties (the penalty of
-row j would depend on the proposals before it), and requests still under ``min_tokens``.
+row j would depend on the proposals before it), requests still under ``min_tokens``, and requests
+with bad words (a word's ban at row j depends on the proposals before it).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def can_speculate(req: Request) -> bool:
     p = req.params
     # a grammar's mask holds for its next token only
     return (not p.uses_penalties and req.num_output_tokens >= p.min_tokens
-            and p.structured_outputs is None)
+            and p.structured_outputs is None and not req.bad_words_token_ids)
 
 
 class SpecDecoder:

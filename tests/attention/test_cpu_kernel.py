@@ -222,5 +222,6 @@ def test_fresh_cache_compiles_once(tmp_path: Path) -> None:
     first, second = _probe(env), _probe(env)
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     assert "compiling" in first.stderr and "compiling" not in second.stderr
+    assert "compiled pagedllm CPU kernels: done in" in first.stderr
     assert "use_kernel True" in first.stdout and "use_kernel True" in second.stdout
     assert len(list(tmp_path.rglob("*.so"))) == 1

@@ -115,8 +115,8 @@ def test_harmless_fields_are_accepted_and_result_changing_ones_refused(server: S
     assert set(values) == set(WARNED)
     for name, value in values.items():
         assert _post(server, "/v1/completions", {**base, name: value}).status_code == 200, name
-    r = _post(server, "/v1/completions", {**base, "bad_words": ["t9"]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
+    r = _post(server, "/v1/completions", {**base, "use_beam_search": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
 
 
 def test_one_model_by_id(server: ServerThread) -> None:
@@ -205,3 +205,57 @@ def test_return_tokens_as_token_ids(server: ServerThread) -> None:
     content = _post(server, "/v1/chat/completions", chat).json()["choices"][0]["logprobs"]["content"]
     assert len(content) == 3 and all(c["token"].startswith("token_id:") for c in content)
     assert all(t["token"].startswith("token_id:") for c in content for t in c["top_logprobs"])
+
+
+def _output_ids(server: ServerThread, path: str, body: dict[str, Any]) -> list[int]:
+    r = _post(server, path, {**body, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    text = choice["text"] if "text" in choice else choice["message"]["content"]
+    return [int(w[1:]) for w in text.split()]  # the word tokenizer: "t17" is id 17
+
+
+def test_bad_words_are_never_generated(server: ServerThread) -> None:
+    """(Against HF's greedy decoding with the same ban: tests/test_bad_words.py.)"""
+    def alone(t: int) -> bool:  # "t17" tokenizes to 17 alone ("t307" is "t3" + "07")
+        return _post(server, "/tokenize", {"prompt": f"t{t}", "add_special_tokens": False}
+                     ).json()["tokens"] == [t]
+
+    bodies = [("/v1/completions", {"prompt": IDS})] + [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": c}]})
+        for c in ("t5 t6", "t7 t44", "t9 t8 t7 t6")]
+    tested = set()
+    for path, body in bodies:
+        plain = _output_ids(server, path, body)
+        word = next((t for t in plain if alone(t)), None)
+        if word is None or path in tested:
+            continue
+        tested.add(path)
+        got = _output_ids(server, path, {**body, "bad_words": [f"t{word}"]})
+        first = plain.index(word)
+        assert word not in got and got[:first] == plain[:first], (path, plain, got)
+    assert tested == {"/v1/completions", "/v1/chat/completions"}
+    for bad in ([""], "t5", [5], ["t5"] * 257):
+        r = _post(server, "/v1/completions", {"prompt": "t5", "max_tokens": 1, "bad_words": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", (bad, r.text)
+
+
+def test_continue_final_message(server: ServerThread) -> None:
+    """vLLM's: the last message is continued (the test template joins contents with spaces and
+    adds "t4" as the generation prompt), and it needs add_generation_prompt false."""
+    msgs = [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": "t7 t8"}]
+    tok = _post(server, "/tokenize", {"messages": msgs, "add_generation_prompt": False,
+                                      "continue_final_message": True})
+    assert tok.json()["tokens"] == [5, 6, 7, 8]
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    r = _post(server, "/v1/chat/completions", {**body, "messages": msgs,
+                                               "add_generation_prompt": False,
+                                               "continue_final_message": True})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 4
+    ref = _post(server, "/v1/completions", {**body, "prompt": [5, 6, 7, 8]}).json()
+    assert r.json()["choices"][0]["message"]["content"] == ref["choices"][0]["text"]
+    for path, extra in (("/v1/chat/completions", body), ("/tokenize", {})):
+        # add_generation_prompt defaults to true
+        r = _post(server, path, {**extra, "messages": msgs, "continue_final_message": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+        assert "Cannot set both" in r.json()["error"]["message"]

@@ -127,3 +127,54 @@ def _drained(base: str, headers: dict[str, str], body: dict) -> str:
         assert last["error"]["code"] == "server_shutting_down", last
         return "error event"
     return "finished" if last["choices"][0]["finish_reason"] else f"no finish: {last}"
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A key and a certificate for 127.0.0.1, made by the openssl command line."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command line is needed to make a test certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return key, cert
+
+
+def test_serve_over_tls(chat_model: Path, tmp_path: Path) -> None:
+    """--ssl-keyfile / --ssl-certfile: uvicorn serves HTTPS with them (the "listening on" line
+    says https); plain HTTP gets no answer."""
+    key, cert = _self_signed(tmp_path)
+    flags = ("--block-size", "4", "--num-kv-blocks", "64", "--max-model-len", "128",
+             "--engine-in-process", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert))
+    with serve_process(str(chat_model), *flags) as (_, base):
+        assert base.startswith("https://127.0.0.1:")
+        r = httpx.post(base + "/v1/completions", json={"prompt": "t5 t6", "max_tokens": 2},
+                       verify=False, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        with pytest.raises(httpx.ConnectError):  # the certificate is nobody's: refused by default
+            httpx.get(base + "/health", timeout=10)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(base.replace("https://", "http://") + "/health", timeout=10)
+
+
+def test_tls_flags_are_checked_before_start(tmp_path: Path) -> None:
+    from pagedllm.server.args import ServerArgs
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    cert.write_text("x")
+    assert ServerArgs().ssl_config() == {}
+    with pytest.raises(ValueError, match="--ssl-keyfile needs --ssl-certfile"):
+        ServerArgs(ssl_keyfile=str(key)).ssl_config()
+    with pytest.raises(ValueError, match="--ssl-keyfile '.*key.pem' is not a file"):
+        ServerArgs(ssl_keyfile=str(key), ssl_certfile=str(cert)).ssl_config()
+    assert ServerArgs(ssl_certfile=str(cert), ssl_cert_reqs=2).ssl_config() == {
+        "ssl_certfile": str(cert), "ssl_keyfile": None, "ssl_ca_certs": None, "ssl_cert_reqs": 2}
+    _, serve = _serve_parser()
+    ns = serve.parse_args(["--ssl-keyfile", "k", "--ssl-certfile", "c", "--ssl-ca-certs", "ca",
+                           "--ssl-cert-reqs", "1"])
+    args = ServerArgs.from_cli(ns)
+    assert (args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs) == (
+        "k", "c", "ca", 1)

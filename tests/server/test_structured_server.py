@@ -139,7 +139,7 @@ def test_a_bad_constraint_is_a_400_naming_it(rand: ServerThread, extra: dict[str
 
 # vLLM request fields pagedllm does not implement: a 400 naming each, not a silent 200 (those that
 # change no output here, server.fields.WARNED, are accepted: test_openai_compat)
-UNSUPPORTED = {"use_beam_search": True, "length_penalty": 0.5, "bad_words": ["x"],
+UNSUPPORTED = {"use_beam_search": True, "length_penalty": 0.5,
                "spaces_between_special_tokens": False,
                "echo": True,
                "documents": [{"title": "t"}], "reasoning_effort": "low",

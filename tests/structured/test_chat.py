@@ -58,3 +58,23 @@ def test_chat_with_a_json_schema(llm: LLM) -> None:
         check_json(o.outputs[0].text, SMALL_SCHEMA)
         assert o.outputs[0].finish_reason == "stop"
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_continue_final_message(llm: LLM) -> None:
+    """vLLM's ``continue_final_message``: the prompt ends inside the last (assistant) message,
+    without its end-of-turn and without a generation prompt, so the model continues it."""
+    tok = llm.get_tokenizer()
+    conv = CONV + [{"role": "assistant", "content": 'Here it is: {"name": "'}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got = llm.chat(conv, greedy, use_tqdm=False, add_generation_prompt=False,
+                   continue_final_message=True)[0]
+    # the shipped template: "<|role|>\n" + content + "<|eos|>\n" per message
+    want = f'<|user|>\n{CONV[0]["content"]}<|eos|>\n<|assistant|>\nHere it is: {{"name": "'
+    assert got.prompt_token_ids == tok.encode(want, add_special_tokens=False)
+    ref = llm.generate({"prompt_token_ids": got.prompt_token_ids}, greedy, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+    closed = llm.chat(conv, greedy, use_tqdm=False, add_generation_prompt=False)[0]
+    assert tok.decode(closed.prompt_token_ids).endswith('"name": "<|eos|>\n')
+    with pytest.raises(ValueError, match="Cannot set both `continue_final_message` and "
+                                         "`add_generation_prompt`"):
+        llm.chat(conv, greedy, use_tqdm=False, continue_final_message=True)

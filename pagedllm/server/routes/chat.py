@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from pagedllm.chat import check_chat_template_kwargs
+from pagedllm.chat import BOTH_PROMPTS, check_chat_template_kwargs
 from pagedllm.server.fields import check_extras, structured_outputs
 from pagedllm.server.openapi import GENERATE, answers, request_body
 from pagedllm.server.prompts import Budget, chat_prompt
@@ -54,6 +54,8 @@ async def chat_completions(request: Request, srv: State, options: Options) -> Re
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     no_streamed_prompt_logprobs(req)
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(400, BOTH_PROMPTS, param="continue_final_message")
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
@@ -76,6 +78,7 @@ async def chat_completions(request: Request, srv: State, options: Options) -> Re
         raise APIError(400, str(e), param="chat_template_kwargs") from None
     prompt = chat_prompt(srv, messages, Budget(max_tokens, max_field, req.truncate_prompt_tokens),
                          add_generation_prompt=req.add_generation_prompt,
+                         continue_final_message=req.continue_final_message,
                          tools=plan.tools if plan is not None else None,
                          chat_template=options.chat_template,
                          chat_template_kwargs=req.chat_template_kwargs)

@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from pagedllm.chat import render_chat
+from pagedllm.chat import BOTH_PROMPTS, render_chat
 from pagedllm.checks import check_token_ids
 from pagedllm.engine.client import FrontEnd
 from pagedllm.server.openapi import REFUSALS, answers, request_body
@@ -39,6 +39,8 @@ async def tokenize(request: Request, srv: State, options: Options) -> dict[str, 
     srv.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "send exactly one of prompt and messages", param="prompt")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(400, BOTH_PROMPTS, param="continue_final_message")
     messages = None
     if req.messages is not None:
         try:
@@ -50,6 +52,7 @@ async def tokenize(request: Request, srv: State, options: Options) -> dict[str, 
         tok = engine.tokenizer
         if messages is not None:
             ids = render_chat(tok, messages, add_generation_prompt=req.add_generation_prompt,
+                              continue_final_message=req.continue_final_message,
                               chat_template=options.chat_template,
                               chat_template_kwargs=req.chat_template_kwargs,
                               add_special_tokens=bool(req.add_special_tokens))
