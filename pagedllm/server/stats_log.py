@@ -38,7 +38,8 @@ class StatsLogger:
         self._was_idle = False
         client.stats_listeners.append(self.on_step)
 
-    def on_step(self, stats: StepStats) -> None:
+    def on_step(self, stats: StepStats, engine: int = 0) -> None:
+        """A step's record from engine (replica) ``engine``: all replicas add up."""
         self._prompt += stats.num_prompt_tokens
         self._generation += stats.num_generation_tokens
 
