@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedllm.config_hf import qwen2_full_layers, rope_from_hf
+from pagedllm.config_hf import SUPPORTED_ARCHITECTURES, arch_traits, rope_from_hf
 from pagedllm.lora.request import LoRAConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {
     "float": "float32",
@@ -115,7 +114,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     weight_dtype: str | None = None  # 16-bit linear weights, fp32 compute (linear.w16_dtype)
     eos_token_ids: tuple[int, ...] = ()
-    full_attention_layers: tuple[int, ...] = ()  # unwindowed despite sliding_window (Qwen2)
+    full_attention_layers: tuple[int, ...] = ()  # unwindowed despite sliding_window (Qwen2/3)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3's q_norm / k_norm)
 
     @classmethod
     def from_hf(cls, model: str, dtype: str = "auto") -> ModelConfig:
@@ -136,49 +136,40 @@ class ModelConfig:
         if arch is None:
             raise ValueError(
                 f"model={model!r} has architectures={archs}; pagedllm supports "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} (docs/models.md)"
             )
-        n_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        head_dim = cfg.get("head_dim") or hidden // n_heads
         theta, scaling = rope_from_hf(cfg)
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act={act!r} is not supported (only silu)")
-        n_layers, full = int(cfg["num_hidden_layers"]), tuple[int, ...]()
-        if arch == "Qwen2ForCausalLM":
-            attn_bias = True
-            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-            if len(full := qwen2_full_layers(cfg, n_layers, sliding)) == n_layers:
-                sliding, full = None, ()
-        else:  # Mistral windows every layer (transformers ignores a Mistral's layer_types)
-            attn_bias = bool(cfg.get("attention_bias", False))
-            sliding = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
+        n_heads, n_layers = int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
+        arch_cfg = arch_traits(arch, cfg, n_layers)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
             model=str(path),
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
+            hidden_size=int(cfg["hidden_size"]),
             intermediate_size=int(cfg["intermediate_size"]),
             num_hidden_layers=n_layers,
             num_attention_heads=n_heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            head_dim=int(head_dim),
+            head_dim=arch_cfg.head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rope_theta=theta,
             rope_scaling=scaling,
-            attention_bias=attn_bias,
+            attention_bias=arch_cfg.attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             hidden_act=act,
-            sliding_window=int(sliding) if sliding else None,
+            sliding_window=arch_cfg.sliding_window,
             dtype=normalize_dtype(dtype, cfg.get("dtype") or cfg.get("torch_dtype")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-            full_attention_layers=full if sliding else (),
+            full_attention_layers=arch_cfg.full_attention_layers,
+            qk_norm=arch_cfg.qk_norm,
         )
 
     def layer_sliding_window(self, layer: int) -> int | None:
