@@ -6,13 +6,12 @@ KV blocks actually allocated, eos ids found in the tokenizer) live in their own 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedllm.config_hf import SUPPORTED_ARCHITECTURES, arch_traits, rope_from_hf
+from pagedllm.config_hf import SUPPORTED_ARCHITECTURES, arch_traits, read_hf_config, rope_from_hf
 from pagedllm.lora.request import LoRAConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 
@@ -116,9 +115,12 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     full_attention_layers: tuple[int, ...] = ()  # unwindowed despite sliding_window (Qwen2/3)
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3's q_norm / k_norm)
+    trust_remote_code: bool = False  # the checkpoint's config / tokenizer code may run (auto_map)
 
     @classmethod
-    def from_hf(cls, model: str, dtype: str = "auto") -> ModelConfig:
+    def from_hf(cls, model: str, dtype: str = "auto", trust_remote_code: bool = False,
+                hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """``hf_overrides``: config.json keys replaced before it is read (vLLM's dict form)."""
         from pagedllm.hub import check_checkpoint_format
 
         path = Path(model)
@@ -129,7 +131,7 @@ class ModelConfig:
                 f"model={model!r}: no config.json found; pass a local HF checkpoint directory "
                 f"(config.json + *.safetensors + tokenizer files)"
             )
-        cfg = json.loads(cfg_file.read_text())
+        cfg = read_hf_config(path, trust_remote_code, hf_overrides)
         check_checkpoint_format(model, cfg)
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -170,6 +172,7 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos_ids),
             full_attention_layers=arch_cfg.full_attention_layers,
             qk_norm=arch_cfg.qk_norm,
+            trust_remote_code=trust_remote_code,
         )
 
     def layer_sliding_window(self, layer: int) -> int | None:
@@ -354,6 +357,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # pagedllm/spec_decode (None: off)
     batch_invariant: bool = False  # a request's bits whatever the batch (README); CPU only
     lora: LoRAConfig | None = None  # pagedllm/lora (None: off, a LoRARequest is refused)
+    max_logprobs: int = 20  # largest logprobs / prompt_logprobs a request may ask for
 
     def __post_init__(self) -> None:
         self._check_batch_invariant()
@@ -363,6 +367,9 @@ class EngineConfig:
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend={self.linear_backend!r}: choose "
                              f"{' or '.join(LINEAR_BACKENDS)} (--linear-backend)")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0 (or -1 in "
+                             "EngineArgs: the vocabulary)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, NamedTuple
 
 # HF ``architectures`` names that load (models/registry.py maps each to its class; docs/models.md)
@@ -80,3 +82,28 @@ def qwen2_full_layers(cfg: dict[str, Any], n_layers: int,
     if len(types) != n_layers:
         raise ValueError(f"layer_types has {len(types)} entries for {n_layers} layers")
     return tuple(i for i, t in enumerate(types) if t != "sliding_attention")
+
+
+def read_hf_config(path: Path, trust_remote_code: bool,
+                   overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``path/config.json`` as a dict, read as transformers' ``AutoConfig`` would: a config
+    whose ``auto_map`` names its own ``AutoConfig`` class is read through that class (its code
+    runs, its defaults fill what the file leaves out) only with ``trust_remote_code``; without
+    it the file is read as written when transformers knows its ``model_type``, and refused when
+    it does not. ``overrides`` then replace keys (vLLM's ``hf_overrides``)."""
+    cfg: dict[str, Any] = json.loads((path / "config.json").read_text())
+    auto_map = cfg.get("auto_map")
+    if isinstance(auto_map, dict) and "AutoConfig" in auto_map:
+        from transformers import AutoConfig
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if trust_remote_code:
+            custom = AutoConfig.from_pretrained(str(path), trust_remote_code=True,
+                                                local_files_only=True)
+            cfg = {**cfg, **custom.to_dict()}
+        elif cfg.get("model_type") not in CONFIG_MAPPING:
+            raise ValueError(
+                f"{path}/config.json needs its own code ({auto_map['AutoConfig']}) for "
+                f"model_type={cfg.get('model_type')!r}, which transformers does not know; pass "
+                f"trust_remote_code=True (--trust-remote-code) if you trust that code")
+    return {**cfg, **(overrides or {})}
