@@ -9,8 +9,10 @@ frozen configs also carry are read from them, so each is written in one place.
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from typing import Any
 
 from pagedllm.config import (
@@ -27,8 +29,12 @@ from pagedllm.config import (
 )
 from pagedllm.flags import add_flags, check_names, from_namespace, setting
 from pagedllm.hub import resolve_model
+from pagedllm.logging_utils import init_logger
 from pagedllm.lora.request import LoRAConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.vllm_args import VLLM_SETTINGS, check, cpu_no_effect
+
+logger = init_logger(__name__)
 
 ENGINE, MEMORY, LORA = "engine", "memory", "lora"
 GROUP_TITLES = {ENGINE: "engine (names follow vLLM)", MEMORY: "KV memory management",
@@ -46,6 +52,22 @@ class EngineArgs:
         None, "HF checkpoint directory (default: the shipped model)", metavar="DIR")
     tokenizer: str | None = setting(
         None, "tokenizer directory (default: --model)", metavar="DIR")
+    trust_remote_code: bool = setting(
+        False, "let a checkpoint's own config and tokenizer code (auto_map) run, as "
+        "transformers' trust_remote_code; the model code is always pagedllm's")
+    revision: str | None = setting(
+        None, "branch, tag or commit of a model given by Hugging Face id", metavar="REV")
+    tokenizer_revision: str | None = setting(
+        None, "the same for a tokenizer given by id (default: --revision)", metavar="REV")
+    download_dir: str | None = setting(
+        None, "Hugging Face cache to find and download models given by id in (default: "
+        "HF_HUB_CACHE)", metavar="DIR")
+    hf_overrides: str | dict[str, Any] | None = setting(
+        None, "config.json keys to override before it is read, JSON: "
+        "{\"max_position_embeddings\": 8192}", metavar="JSON")
+    max_logprobs: int = setting(
+        _E.max_logprobs, "largest logprobs / prompt_logprobs a request may ask for (-1: the "
+        "vocabulary)")
     dtype: str = setting("auto", "model dtype; auto = the checkpoint's", choices=DTYPE_NAMES)
     generation_config: str = setting(
         "auto", "default sampling settings: auto = the model's generation_config.json "
@@ -152,11 +174,20 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any], what: str = "EngineArgs") -> EngineArgs:
-        """Keyword arguments -> EngineArgs, accepting vLLM's names; an unknown name is a
-        TypeError naming the closest field (``what`` names the caller in the message)."""
+        """Keyword arguments -> EngineArgs, accepting vLLM's names; vLLM settings pagedllm has
+        no field for (``pagedllm.vllm_args``) are accepted with a warning, or refused (ValueError)
+        where they would change outputs. An unknown name is a TypeError naming the closest
+        field (``what`` names the caller in the messages)."""
         aliases = cls.aliases()
-        check_names(cls, list(kwargs), aliases, what)
-        return cls(**{aliases.get(k, k): v for k, v in kwargs.items()})
+        vllm = {n for n, s in VLLM_SETTINGS.items() if s.api}
+        check_names(cls, list(kwargs), {**aliases, **{n: n for n in vllm}}, what)
+        warnings = [check(k, v, f"{k}={v!r}", what) for k, v in kwargs.items() if k in vllm]
+        args = cls(**{aliases.get(k, k): v for k, v in kwargs.items() if k not in vllm})
+        warnings += cpu_no_effect(args.device, args.gpu_memory_utilization, args.enforce_eager)
+        for line in warnings:
+            if line is not None:
+                logger.warning("%s", line)
+        return args
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -173,8 +204,9 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """The frozen configs. Raises ValueError naming the setting at fault."""
-        model = resolve_model(self.model) if self.model else default_model_path()
-        mcfg = ModelConfig.from_hf(model, self.dtype)
+        hub = partial(resolve_model, cache_dir=self.download_dir)
+        model = hub(self.model, revision=self.revision) if self.model else default_model_path()
+        mcfg = ModelConfig.from_hf(model, self.dtype, self.trust_remote_code, self._hf_overrides())
         if self.device == "cpu" and self.linear_backend in ("auto", "gemm"):
             from pagedllm.layers.linear import w16_dtype
 
@@ -225,7 +257,8 @@ class EngineArgs:
                 preemption_mode=self.preemption_mode,
                 max_loras=None if lora is None else lora.max_loras,
             ),
-            tokenizer=resolve_model(self.tokenizer, "tokenizer") if self.tokenizer else model,
+            tokenizer=(hub(self.tokenizer, "tokenizer", self.tokenizer_revision or self.revision)
+                       if self.tokenizer else model),
             seed=self.seed,
             device=self.device,
             attention_backend=self.attention_backend,
@@ -235,11 +268,26 @@ class EngineArgs:
             fused_ops=self.fused_ops,
             fused_layers=self.fused_layers,
             batch_invariant=self.batch_invariant,
+            max_logprobs=mcfg.vocab_size if self.max_logprobs == -1 else self.max_logprobs,
             generation_config=self.generation_config,
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
             speculative=SpeculativeConfig.parse(self.speculative_config),
             lora=lora,
         )
+
+    def _hf_overrides(self) -> dict[str, Any] | None:
+        """``hf_overrides`` as a dict (vLLM's dict form; its function form needs transformers'
+        config object, which pagedllm does not build)."""
+        raw = self.hf_overrides
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"hf_overrides={raw!r} is not JSON ({e})") from None
+        if raw is not None and not isinstance(raw, dict):
+            raise ValueError(f"hf_overrides must be a dict of config.json keys (JSON object on the "
+                             f"command line), got {type(raw).__name__}")
+        return raw
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

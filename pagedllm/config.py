@@ -6,17 +6,15 @@ KV blocks actually allocated, eos ids found in the tokenizer) live in their own 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedllm.config_hf import qwen2_full_layers, rope_from_hf
+from pagedllm.config_hf import SUPPORTED_ARCHITECTURES, arch_traits, read_hf_config, rope_from_hf
 from pagedllm.lora.request import LoRAConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {
     "float": "float32",
@@ -115,10 +113,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     weight_dtype: str | None = None  # 16-bit linear weights, fp32 compute (linear.w16_dtype)
     eos_token_ids: tuple[int, ...] = ()
-    full_attention_layers: tuple[int, ...] = ()  # unwindowed despite sliding_window (Qwen2)
+    full_attention_layers: tuple[int, ...] = ()  # unwindowed despite sliding_window (Qwen2/3)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3's q_norm / k_norm)
+    trust_remote_code: bool = False  # the checkpoint's config / tokenizer code may run (auto_map)
 
     @classmethod
-    def from_hf(cls, model: str, dtype: str = "auto") -> ModelConfig:
+    def from_hf(cls, model: str, dtype: str = "auto", trust_remote_code: bool = False,
+                hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """``hf_overrides``: config.json keys replaced before it is read (vLLM's dict form)."""
         from pagedllm.hub import check_checkpoint_format
 
         path = Path(model)
@@ -129,56 +131,48 @@ class ModelConfig:
                 f"model={model!r}: no config.json found; pass a local HF checkpoint directory "
                 f"(config.json + *.safetensors + tokenizer files)"
             )
-        cfg = json.loads(cfg_file.read_text())
+        cfg = read_hf_config(path, trust_remote_code, hf_overrides)
         check_checkpoint_format(model, cfg)
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"model={model!r} has architectures={archs}; pagedllm supports "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} (docs/models.md)"
             )
-        n_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        head_dim = cfg.get("head_dim") or hidden // n_heads
         theta, scaling = rope_from_hf(cfg)
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act={act!r} is not supported (only silu)")
-        n_layers, full = int(cfg["num_hidden_layers"]), tuple[int, ...]()
-        if arch == "Qwen2ForCausalLM":
-            attn_bias = True
-            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-            if len(full := qwen2_full_layers(cfg, n_layers, sliding)) == n_layers:
-                sliding, full = None, ()
-        else:  # Mistral windows every layer (transformers ignores a Mistral's layer_types)
-            attn_bias = bool(cfg.get("attention_bias", False))
-            sliding = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
+        n_heads, n_layers = int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
+        arch_cfg = arch_traits(arch, cfg, n_layers)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
             model=str(path),
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
+            hidden_size=int(cfg["hidden_size"]),
             intermediate_size=int(cfg["intermediate_size"]),
             num_hidden_layers=n_layers,
             num_attention_heads=n_heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            head_dim=int(head_dim),
+            head_dim=arch_cfg.head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rope_theta=theta,
             rope_scaling=scaling,
-            attention_bias=attn_bias,
+            attention_bias=arch_cfg.attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             hidden_act=act,
-            sliding_window=int(sliding) if sliding else None,
+            sliding_window=arch_cfg.sliding_window,
             dtype=normalize_dtype(dtype, cfg.get("dtype") or cfg.get("torch_dtype")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-            full_attention_layers=full if sliding else (),
+            full_attention_layers=arch_cfg.full_attention_layers,
+            qk_norm=arch_cfg.qk_norm,
+            trust_remote_code=trust_remote_code,
         )
 
     def layer_sliding_window(self, layer: int) -> int | None:
@@ -363,6 +357,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # pagedllm/spec_decode (None: off)
     batch_invariant: bool = False  # a request's bits whatever the batch (README); CPU only
     lora: LoRAConfig | None = None  # pagedllm/lora (None: off, a LoRARequest is refused)
+    max_logprobs: int = 20  # largest logprobs / prompt_logprobs a request may ask for
 
     def __post_init__(self) -> None:
         self._check_batch_invariant()
@@ -372,6 +367,9 @@ class EngineConfig:
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend={self.linear_backend!r}: choose "
                              f"{' or '.join(LINEAR_BACKENDS)} (--linear-backend)")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0 (or -1 in "
+                             "EngineArgs: the vocabulary)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"

@@ -6,6 +6,7 @@ when ``HF_HUB_OFFLINE`` is not set. Checkpoint formats pagedllm cannot load (GGU
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,28 +15,32 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 
 
-def resolve_model(model: str, flag: str = "model") -> str:
-    """A local directory for ``model`` (a path, or a Hugging Face id). Raises ValueError naming
-    the id and the cache it looked in."""
+def resolve_model(model: str, flag: str = "model", revision: str | None = None,
+                  cache_dir: str | None = None) -> str:
+    """A local directory for ``model`` (a path, or a Hugging Face id at ``revision``, found in
+    and downloaded to ``cache_dir``, default HF_HUB_CACHE). Raises ValueError naming the id and
+    the cache it looked in."""
     if Path(model).exists() or not _REPO_ID.fullmatch(model):
         return model  # a path (or a name that is neither: ModelConfig says what is wrong)
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    cache = constants.HF_HUB_CACHE
+    cache = cache_dir or constants.HF_HUB_CACHE
+    fetch = partial(snapshot_download, model, revision=revision, cache_dir=cache,
+                    allow_patterns=_PATTERNS)
+    what = f"{flag}={model!r}" + (f" (revision {revision!r})" if revision else "")
     try:
-        return str(snapshot_download(model, cache_dir=cache, local_files_only=True,
-                                     allow_patterns=_PATTERNS))
+        return str(fetch(local_files_only=True))
     except LocalEntryNotFoundError:
         pass
     if constants.HF_HUB_OFFLINE:
-        raise ValueError(f"{flag}={model!r} is not a local directory and not in the Hugging Face "
+        raise ValueError(f"{what} is not a local directory and not in the Hugging Face "
                          f"cache {cache} (HF_HUB_OFFLINE is set); download it first "
                          f"(`hf download {model}`) or pass a checkpoint directory") from None
     try:
-        return str(snapshot_download(model, cache_dir=cache, allow_patterns=_PATTERNS))
+        return str(fetch())
     except Exception as e:  # noqa: BLE001 - no network, no such repo, gated: all say the same
-        raise ValueError(f"{flag}={model!r} is not a local directory, not in the Hugging Face "
+        raise ValueError(f"{what} is not a local directory, not in the Hugging Face "
                          f"cache {cache}, and could not be downloaded ({type(e).__name__}: "
                          f"{str(e)[:200]})") from None
 

@@ -178,8 +178,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens={self.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or not 0 <= v <= 20):
-                raise bad(name, "must be None or an integer in [0, 20]")
+            if v is not None and (not isinstance(v, int) or v < 0):  # cap: max_logprobs
+                raise bad(name, "must be None or an integer >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer or None")
         if any(not isinstance(s, str) or not s for s in self.stop):

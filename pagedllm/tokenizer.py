@@ -12,13 +12,17 @@ Decode = Callable[[list[int], bool], str]  # (token ids, skip_special_tokens) ->
 _decoders: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, Decode] = weakref.WeakKeyDictionary()
 
 
-def get_tokenizer(path: str) -> PreTrainedTokenizerBase:
+def get_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer`` on a local directory; a tokenizer with its own code (``auto_map``) runs
+    it only with ``trust_remote_code``, as in transformers."""
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                             trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - re-raised with a clearer message
+        hint = "" if trust_remote_code else " (one with its own code needs trust_remote_code=True)"
         raise ValueError(
             f"cannot load a tokenizer from {path!r} ({type(e).__name__}: {e}); the checkpoint "
-            f"directory needs tokenizer.json or tokenizer.model + tokenizer_config.json"
+            f"directory needs tokenizer.json or tokenizer.model + tokenizer_config.json{hint}"
         ) from e
 
 

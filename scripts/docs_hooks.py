@@ -4,6 +4,7 @@ in the docs is typed by hand.
 
     <!-- generated: engine-args -->          EngineArgs' fields: flag, aliases, type, default, help
     <!-- generated: cli-help -->             ``--help`` of ``pagedllm`` and every subcommand
+    <!-- generated: vllm-settings -->        vLLM settings accepted with a warning or refused
     <!-- bench: FILE col col ... -->         a table of FILE's ``results`` (FILE under docs/), its
                                              ``ratios`` and the machine the run measured
 
@@ -59,6 +60,21 @@ def _type_name(hint: Any) -> str:
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def vllm_settings_md() -> str:
+    """One row per entry of ``pagedllm.vllm_args.VLLM_SETTINGS``: where it is taken, what
+    happens to a non-neutral value, and why."""
+    from pagedllm.vllm_args import VLLM_SETTINGS, flag
+
+    rows = ["| setting | `LLM(...)` | `serve` | given a non-default value | why |",
+            "| --- | --- | --- | --- | --- |"]
+    for name, s in VLLM_SETTINGS.items():
+        quiet = ", ".join(f"`{v!r}`" for v in s.neutral if v not in (None, False))
+        verdict = "refused" + (f" (fine: {quiet})" if quiet else "") if s.refused else "a warning"
+        rows.append(f"| `{name}` | {'yes' if s.api else ''} | {f'`{flag(name)}`' if s.cli else ''}"
+                    f" | {verdict} | {_cell(s.why)} |")
+    return "\n".join(rows)
 
 
 def cli_help_md() -> str:
@@ -140,6 +156,8 @@ def render(markdown: str) -> str:
             return engine_args_md()
         if what == "generated: cli-help":
             return cli_help_md()
+        if what == "generated: vllm-settings":
+            return vllm_settings_md()
         if what.startswith("bench: "):
             return bench_md(what[len("bench: "):])
         raise ValueError(f"unknown docs marker {m.group(0)!r} (scripts/docs_hooks.py)")

@@ -52,17 +52,24 @@ def make_hf_model(path: Path, arch: str, **overrides: Any) -> Path:
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     classes = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     }
     cfg_cls, model_cls = classes[arch]
     kwargs = {**TINY, **overrides}
     torch.manual_seed(1234)
     model = model_cls(cfg_cls(**kwargs)).eval()
+    with torch.no_grad():  # HF starts norms at 1: q/k norms that differ show a swapped or unread one
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     save_word_tokenizer(path, kwargs["vocab_size"])
     return path
@@ -75,6 +82,8 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "llama": make_hf_model(root / "llama", "llama", head_dim=32),  # head_dim != hidden/heads
         "qwen2": make_hf_model(root / "qwen2", "qwen2", tie_word_embeddings=True),
         "mistral": make_hf_model(root / "mistral", "mistral", num_key_value_heads=1),  # MQA
+        # per-head q/k norms, head_dim 32 != 64 / 4, tied (as the small Qwen3s)
+        "qwen3": make_hf_model(root / "qwen3", "qwen3", head_dim=32, tie_word_embeddings=True),
     }
 
 

@@ -80,6 +80,10 @@ def test_generated_sections_render_from_the_code() -> None:
                     "pagedllm plan"):
         assert f"`{command}`" in cli, command
     assert "--kv-cache-memory" in cli and str(ROOT) not in cli
+    from pagedllm.vllm_args import VLLM_SETTINGS
+
+    compat = rendered[DOCS / "serving" / "vllm-compatibility.md"]
+    assert re.findall(r"^\| `([a-z0-9_]+)` \| (?:yes)? \|", compat, re.M) == list(VLLM_SETTINGS)
 
 
 def test_bench_tables_come_from_the_json(tmp_path: Path) -> None:

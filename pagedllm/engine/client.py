@@ -90,7 +90,7 @@ class FrontEnd:
 
     def __init__(self, config: EngineConfig, compiler: GrammarCompiler | None = None) -> None:
         self.config = config
-        self.tokenizer: PreTrainedTokenizerBase = get_tokenizer(config.tokenizer)
+        self.tokenizer: PreTrainedTokenizerBase = get_tokenizer(config.tokenizer, config.model.trust_remote_code)
         self.generation_defaults: GenerationDefaults = load_generation_defaults(
             config.model.model, config.generation_config)
         eos = eos_token_ids(self.tokenizer,
@@ -98,7 +98,7 @@ class FrontEnd:
         self.compiler = compiler or GrammarCompiler(self.tokenizer, config.model.vocab_size, eos)
         self.input = InputProcessor(config, self.tokenizer, eos)
         # detokenization runs on the event loop; the tokenizer above belongs to its thread
-        self.output = OutputProcessor(get_tokenizer(config.tokenizer))
+        self.output = OutputProcessor(get_tokenizer(config.tokenizer, config.model.trust_remote_code))
 
 
 # A prompt, or a function run on the front end's tokenizer thread that makes one.

@@ -234,6 +234,11 @@ class LLMEngine:
         """Compact now: live blocks move to the lowest ids. Returns the number of blocks moved."""
         return self.core.defragment()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's ``reset_prefix_cache``); refused (False)
+        while a request holds blocks."""
+        return self.core.reset_prefix_cache()
+
     def prefix_cache_stats(self) -> dict[str, float]:
         """Prompt tokens looked up at admission (``queries``), found cached (``hits``)."""
         return self.core.prefix_cache_stats()

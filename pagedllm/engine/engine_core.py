@@ -49,7 +49,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, scheduler_cls: type[Scheduler] = Scheduler) -> None:
         """``scheduler_cls`` swaps the batching policy (the benchmarks' contiguous baseline)."""
         self.config = config
-        self.tokenizer = get_tokenizer(config.tokenizer)  # grammars and n-gram proposals
+        self.tokenizer = get_tokenizer(config.tokenizer, config.model.trust_remote_code)  # grammars and n-gram proposals
         self.generation_defaults = load_generation_defaults(config.model.model,
                                                             config.generation_config)
         self.eos_token_ids = eos_token_ids(
@@ -96,6 +96,7 @@ class EngineCore:
         ids = self.input.tokenize(ids)[1]  # checked against the vocabulary
         self.scheduler.check_fits(len(ids))
         self.input.check_params(params, len(ids))
+        self.input.check_logprobs(params)
         self.structured.check(params)
         if lora_request is not None:
             self.add_lora(lora_request)
@@ -272,6 +273,10 @@ class EngineCore:
         out = self.memory.defragment()
         self.executor.execute(out)
         return len(out.kv.compaction)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; refused (False) while a request holds blocks."""
+        return self.kv.reset_prefix_cache()
 
     def prefix_cache_stats(self) -> dict[str, float]:
         """Prompt tokens looked up at admission (``queries``), found cached (``hits``)."""

@@ -59,6 +59,15 @@ class InputProcessor:
                              f"max_model_len={max_len} leaves after a prompt of {num_prompt_tokens}; "
                              f"lower min_tokens or shorten the prompt")
 
+    def check_logprobs(self, params: SamplingParams) -> None:
+        """A request may ask for at most ``max_logprobs`` logprobs (vLLM's limit, default 20)."""
+        cap = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > cap:
+                raise ValueError(f"{name}={k} exceeds max_logprobs={cap}; ask for fewer or raise "
+                                 f"LLM(max_logprobs=...) / --max-logprobs (-1: the vocabulary)")
+
     def check_request(self, req: Request) -> ValueError | None:
         """Re-validate a live request (its tokens and parameters as they are now); the error that
         admission would raise for it, or None."""

@@ -39,10 +39,22 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """``kwargs``: the fields of ``pagedllm.EngineArgs`` (e.g. ``num_kv_blocks``,
-        ``preheat_prompts``); an unknown name is a TypeError naming the closest one."""
+        ``preheat_prompts``) and vLLM's other settings (``pagedllm.vllm_args``: accepted with a
+        warning, or refused where they would change outputs); an unknown name is a TypeError
+        naming the closest one."""
         args = EngineArgs.from_kwargs({"model": model, **kwargs}, "LLM")
         self.engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's name for it; ``self.engine`` too)."""
+        return self.engine
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block, so the next prompts start cold (between benchmark
+        runs, after changing adapters); False while a request holds blocks."""
+        return self.engine.reset_prefix_cache()
 
     def get_prefix_cache_stats(self) -> dict[str, float]:
         return self.engine.prefix_cache_stats()

@@ -1,9 +1,11 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a flat, unpadded batch with a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat, unpadded batch with a paged
+KV cache.
 
 Differences inside the family are config values: GQA/MQA head counts, head_dim independent of
 hidden_size / num_heads, q/k/v bias (Qwen2, or Llama's attention_bias, which also biases o_proj),
-mlp_bias, tied embeddings, and a sliding window handed to the attention backend (Mistral; Qwen2
-on the layers its config makes windowed).
+mlp_bias, tied embeddings, Qwen3's per-head RMSNorm of q and k before RoPE (q_norm / k_norm,
+weights [head_dim], replicated under TP), and a sliding window handed to the attention backend
+(Mistral; Qwen2 and Qwen3 on the layers their config makes windowed).
 Parameter names mirror HF's, except q|k|v -> qkv_proj and gate|up -> gate_up_proj (fused; see
 ``FUSED_WEIGHTS`` and models/loader.py).
 """
@@ -45,6 +47,8 @@ class LlamaAttention(nn.Module):
         self.backend = backend
         self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.layer_sliding_window(layer)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -59,9 +63,12 @@ class LlamaAttention(nn.Module):
         if meta.lora is not None:
             qkv = meta.lora.apply(self.qkv_proj, x, qkv)
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
-        q, k = apply_rotary_qk(q.view(t, self.num_heads, self.head_dim),  # [T, Hq, D]
-                               k.view(t, self.num_kv_heads, self.head_dim),  # [T, Hkv, D]
-                               cos, sin, self.fused)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:  # each head's row of D, as HF
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        q, k = apply_rotary_qk(q, k, cos, sin, self.fused)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window
@@ -98,8 +105,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # what the two ops cover: one rank, and a backend that attends apart from the KV write
-        self.attend = None if tp is not None else getattr(backend, "attend", None)
+        # what the two ops cover: one rank, a backend that attends apart from the KV write, and
+        # no q/k norms (attn_in goes from the hidden states to roped q/k in one op)
+        two_ops = tp is None and not cfg.qk_norm
+        self.attend = getattr(backend, "attend", None) if two_ops else None
 
     def forward(
         self,

@@ -236,7 +236,7 @@ class ModelRunner:
             repetition_penalty=torch.ones(b, device=dev),
             output_counts=torch.zeros(b, vocab, device=dev),
             prompt_mask=torch.zeros(b, vocab, dtype=torch.bool, device=dev),
-            max_num_logprobs=20,
+            max_num_logprobs=min(self.config.max_logprobs, vocab),
         )
         fetch([sample(logits, md).token_ids])
         del kv

@@ -54,9 +54,6 @@ class ServerArgs:
     max_prompt_tokens: int | None = setting(
         None, "longest prompt (default: max_model_len - 1)", group=S)
     max_prompts: int = setting(32, "prompts in one /v1/completions batch", group=S)
-    max_logprobs: int = setting(
-        20, "largest logprobs / top_logprobs / prompt_logprobs per request (the engine's cap is "
-        "20)", group=S)
     drain_timeout: float = setting(
         30.0, "seconds SIGTERM waits for in-flight requests; then they end with a 503 (streams: an "
         "error event and [DONE])", group=S)

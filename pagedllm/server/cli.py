@@ -73,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if name is None and engine_args.model and not Path(engine_args.model).exists():
         name = engine_args.model  # a Hugging Face id: served by that name, not its cache path
     app = build_app(engine, model_name=name, api_key=api_key,
-                    limits=ServerLimits.from_args(srv), batch_wait_ms=srv.batch_wait_ms,
+                    limits=ServerLimits.from_args(srv, config.max_logprobs), batch_wait_ms=srv.batch_wait_ms,
                     disable_docs=srv.disable_fastapi_docs, kv_inspector=srv.kv_inspector,
                     kv_inspector_show_text=srv.kv_inspector_show_text,
                     tool_call_parser=srv.tool_call_parser,

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from pagedllm.checks import lone_surrogate
-from pagedllm.config import default_model_path
+from pagedllm.config import EngineConfig, default_model_path
 from pagedllm.engine.client import (
     EngineClient,
     EngineError,
@@ -58,12 +58,14 @@ class ServerLimits:
     max_tokens: int | None = ServerArgs.max_tokens_limit  # None: max_model_len
     max_prompt_tokens: int | None = ServerArgs.max_prompt_tokens  # None: max_model_len - 1
     max_prompts: int = ServerArgs.max_prompts  # prompts in one /v1/completions batch
-    max_logprobs: int = ServerArgs.max_logprobs  # logprobs, top_logprobs, prompt_logprobs
+    # logprobs, top_logprobs, prompt_logprobs: the engine's --max-logprobs (EngineConfig)
+    max_logprobs: int = EngineConfig.max_logprobs
 
     @classmethod
-    def from_args(cls, a: ServerArgs) -> ServerLimits:
+    def from_args(cls, a: ServerArgs, max_logprobs: int = EngineConfig.max_logprobs
+                  ) -> ServerLimits:
         return cls(a.max_request_bytes, a.max_n, a.max_tokens_limit, a.max_prompt_tokens,
-                   a.max_prompts, a.max_logprobs)
+                   a.max_prompts, max_logprobs)
 
 
 class APIError(Exception):

@@ -1,56 +1,40 @@
 """``pagedllm serve`` takes a vLLM user's command line: vLLM flags that change nothing a client
 sees here are accepted with a warning; flags that would change the model or its outputs in a
-way pagedllm does not implement are refused, naming the flag (never silently ignored)."""
+way pagedllm does not implement are refused, naming the flag (never silently ignored). The
+table, and its reasons, are ``pagedllm.vllm_args.VLLM_SETTINGS``, shared with ``LLM(...)``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from pagedllm.vllm_args import VLLM_SETTINGS, check, cpu_no_effect, flag, takes_value
+
+FLAGS = [name for name, s in VLLM_SETTINGS.items() if s.cli]
 # flag -> why it has no effect here (store_true flags)
-HARMLESS = {
-    "--trust-remote-code": "pagedllm runs its own model code, never the checkpoint's",
-    "--disable-log-requests": "requests are logged only with --enable-log-requests",
-    "--enable-auto-tool-choice": "tool_choice 'auto' is on whenever --tool-call-parser is set",
-    "--disable-frontend-multiprocessing": "the API server and the engine share one process",
-    "--disable-uvicorn-access-log": "use --log-level warning",
-}
-# flag -> what to do instead (flags that take a value)
-REFUSED = {
-    "--quantization": "pagedllm loads unquantized weights only (KV cache: --kv-cache-dtype)",
-    "--lora-modules": "the server does not load LoRA adapters yet; use LLM(enable_lora=True) "
-                      "and generate(..., lora_request=...)",
-    "--pipeline-parallel-size": "use --tensor-parallel-size",
-    "--cpu-offload-gb": "weights stay on one device; use --swap-space for KV",
-    "--load-format": "pagedllm reads safetensors checkpoints only",
-    "--tokenizer-mode": "pagedllm uses the checkpoint's fast tokenizer",
-}
-_VALUED = frozenset({"--quantization", "--lora-modules",
-                     "--pipeline-parallel-size", "--cpu-offload-gb", "--load-format",
-                     "--tokenizer-mode"})
+HARMLESS = {flag(n): VLLM_SETTINGS[n].why for n in FLAGS
+            if not VLLM_SETTINGS[n].refused and not takes_value(n)}
 
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("vLLM flags (accepted with a warning, or refused naming why)")
-    for flag in HARMLESS:
-        g.add_argument(flag, dest=_dest(flag), action="store_true", help=argparse.SUPPRESS)
-    for flag in REFUSED:
-        if flag in _VALUED:
-            g.add_argument(flag, dest=_dest(flag), default=None, help=argparse.SUPPRESS)
+    for name in FLAGS:
+        if takes_value(name):
+            g.add_argument(flag(name), dest=_dest(name), default=None, help=argparse.SUPPRESS)
         else:
-            g.add_argument(flag, dest=_dest(flag), action="store_true", help=argparse.SUPPRESS)
+            g.add_argument(flag(name), dest=_dest(name), action="store_true",
+                           help=argparse.SUPPRESS)
 
 
 def check_vllm_flags(args: argparse.Namespace) -> None:
     """Warn about the harmless vLLM flags given; ValueError naming a refused one."""
-    for flag, why in REFUSED.items():
-        value = getattr(args, _dest(flag), None)
-        if value not in (None, False) and not (flag == "--pipeline-parallel-size" and value == "1"):
-            raise ValueError(f"{flag} is not supported by pagedllm serve: {why}")
-    for flag, why in HARMLESS.items():
-        if getattr(args, _dest(flag), False):
-            print(f"warning: {flag} has no effect here ({why})", file=sys.stderr, flush=True)
+    warnings = [check(name, getattr(args, _dest(name), None), flag(name), "pagedllm serve")
+                for name in FLAGS]
+    warnings += cpu_no_effect(args.device, args.gpu_memory_utilization, args.enforce_eager)
+    for line in warnings:
+        if line is not None:
+            print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
-def _dest(flag: str) -> str:
-    return "vllm_" + flag.lstrip("-").replace("-", "_")
+def _dest(name: str) -> str:
+    return "vllm_" + name

@@ -168,7 +168,7 @@ def build_draft_proposer(config: EngineConfig, tokenizer: Any, num_blocks: int) 
     assert spec is not None and spec.model is not None
     path = resolve_model(spec.model, "speculative_config model")
     try:
-        draft_tok = get_tokenizer(path)
+        draft_tok = get_tokenizer(path, config.model.trust_remote_code)
     except ValueError as e:
         raise ValueError(f"speculative_config model={spec.model!r}: the draft needs the target's "
                          f"tokenizer files in its directory ({e}) (--speculative-config)") from None
@@ -176,7 +176,7 @@ def build_draft_proposer(config: EngineConfig, tokenizer: Any, num_blocks: int) 
         raise ValueError(f"speculative_config model={spec.model!r} has another tokenizer than the "
                          f"target {config.model.model!r}; a draft must share the target's "
                          f"vocabulary (--speculative-config)")
-    model = ModelConfig.from_hf(path, config.model.dtype)
+    model = ModelConfig.from_hf(path, config.model.dtype, config.model.trust_remote_code)
     blocks = spec.draft_num_kv_blocks or num_blocks
     cache = replace(config.cache, num_kv_blocks=blocks, kv_cache_memory=None, swap_space=0,
                     initial_num_kv_blocks=None, kv_trace_path=None)

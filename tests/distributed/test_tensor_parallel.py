@@ -111,7 +111,7 @@ def test_each_rank_reads_only_its_slices(tiny_models: dict[str, Path], monkeypat
             return self.f.get_slice(name)
 
     monkeypatch.setattr(loader, "safe_open", Recording)
-    for arch in ("llama", "qwen2"):
+    for arch in ("llama", "qwen2", "qwen3"):
         cfg = ModelConfig.from_hf(str(tiny_models[arch]))
         backend = get_backend(None, "cpu")
         full = loader.load_model(cfg, backend).state_dict()
@@ -132,11 +132,13 @@ def test_each_rank_reads_only_its_slices(tiny_models: dict[str, Path], monkeypat
         gates, ups = zip(*(s[mlp + "gate_up_proj.weight"].split([i, i]) for s in shards))
         assert torch.equal(torch.cat([*gates, *ups]), full[mlp + "gate_up_proj.weight"])
         assert all(torch.equal(s["model.embed_tokens.weight"], full["model.embed_tokens.weight"]) for s in shards)
+        for norm in ("q_norm.weight", "k_norm.weight") if arch == "qwen3" else ():  # per head_dim: replicated
+            assert all(torch.equal(s[attn + norm], full[attn + norm]) for s in shards)
 
 
 # -- TP=2 generates what TP=1 does -------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
-                                  pytest.param("mistral", marks=pytest.mark.slow)])  # head_dim != hidden/heads; GQA + bias + tied; MQA
+                                  pytest.param("mistral", marks=pytest.mark.slow), "qwen3"])  # head_dim != hidden/heads; GQA + bias + tied; MQA; q/k norms
 def test_tp2_greedy_matches_tp1(tiny_models: dict[str, Path], arch: str) -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, prompt_logprobs=2, ignore_eos=True)
     outs = {}

@@ -46,7 +46,7 @@ def _hf_greedy(path: Path, prompts: list[list[int]], max_tokens: int) -> list[li
     return outs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
 def test_greedy_matches_hf_on_the_gpu(tiny_models: dict[str, Path], arch: str) -> None:
     llm = LLM(model=str(tiny_models[arch]), device="cuda", max_model_len=256, **SMALL)
     runner = llm.engine.runner

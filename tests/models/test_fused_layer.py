@@ -142,3 +142,17 @@ def test_engine_switch(tiny_models: dict) -> None:
         assert all(layer.fused_layer == on for layer in layers)
         tokens.append([o.outputs[0].token_ids for o in llm.generate(["a b c", "d e"], params)])
     assert tokens[0] == tokens[1]
+
+
+def test_qk_norm_models_run_the_modules(tiny_models: dict) -> None:
+    """attn_in has no q/k norms: a Qwen3 never takes the two ops, even with them switched on."""
+    model = _model(tiny_models["qwen3"], torch.float32, True)
+    assert model.config.qk_norm and all(layer.attend is None for layer in model.model.layers)
+    calls = []
+    real = LlamaDecoderLayer._forward_ops
+    LlamaDecoderLayer._forward_ops = lambda self, *a: calls.append(1) or real(self, *a)  # type: ignore[method-assign]
+    try:
+        _run(model, MIXED, True)
+    finally:
+        LlamaDecoderLayer._forward_ops = real  # type: ignore[method-assign]
+    assert calls == []

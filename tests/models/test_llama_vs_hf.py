@@ -32,6 +32,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_mqa": ("LlamaConfig", dict(num_key_value_heads=1)),
     "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "mistral_window": ("MistralConfig", dict(sliding_window=5, head_dim=16)),
+    "qwen3_qk_norm": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    # layer 0 full attention, layer 1 windowed (max_window_layers), as Qwen2's config reads
+    "qwen3_window": ("Qwen3Config", dict(head_dim=16, use_sliding_window=True, sliding_window=5,
+                                         max_window_layers=1)),
     "rope_linear": (
         "LlamaConfig",
         dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
@@ -153,7 +157,9 @@ def test_matches_hf(variant: str, tmp_path: Path) -> None:
     kind, overrides = VARIANTS[variant]
     hf = make_hf_model(kind, overrides)
     cfg = ModelConfig.from_hf(str(save(hf, tmp_path)))
-    assert cfg.dtype == "float32"
+    assert cfg.dtype == "float32" and cfg.qk_norm == (kind == "Qwen3Config")
+    if variant == "qwen3_window":
+        assert (cfg.sliding_window, cfg.full_attention_layers) == (5, (0,))
     backend = "torch_ref" if variant == "llama_mqa" else "cpu"
     model = load_model(cfg, get_backend(backend, "cpu"))
 
@@ -192,7 +198,8 @@ HALF_ATOL = {"bfloat16": 0.15, "float16": 0.03}
 
 @pytest.mark.parametrize("dtype", list(HALF_ATOL))
 @pytest.mark.parametrize("kind,overrides", [("Qwen2Config", dict(tie_word_embeddings=True)),
-                                            ("LlamaConfig", dict(head_dim=32))])
+                                            ("LlamaConfig", dict(head_dim=32)),
+                                            ("Qwen3Config", dict(head_dim=32))])
 def test_half_precision_matches_hf_at_the_same_dtype(tmp_path: Path, dtype: str, kind: str,
                                                      overrides: dict[str, Any]) -> None:
     hf = make_hf_model(kind, overrides)
@@ -269,7 +276,9 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
         ModelConfig.from_hf(str(tmp_path))
-    with pytest.raises(ValueError, match="LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM"):
+    with pytest.raises(ValueError, match="Qwen2ForCausalLM, Qwen3ForCausalLM.*docs/models.md"):
+        ModelConfig.from_hf(str(tmp_path))
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3"):
         get_model_class("GPT2LMHeadModel")
 
 
