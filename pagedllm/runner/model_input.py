@@ -82,18 +82,18 @@ class ModelInput(msgspec.Struct, kw_only=True):
     def build(cls, out: SchedulerOutput, token_masks: TokenMasks | None = None) -> ModelInput:
         """The message of ``out`` (engine side: reads the scheduled Requests, once per row)."""
         seqs = []
-        for s in out.scheduled:
+        for s in out.scheduled:  # per row: attributes and lengths, no per-token work
             r = s.request
-            p = r.params
+            p, toks, prompt = r.params, r.token_ids, r.prompt_token_ids
             start = r.num_computed_tokens
             end = start + s.num_new_tokens - len(s.spec_token_ids)
+            n, n_prompt = len(toks), len(prompt)
             pen = p.uses_penalties
             seqs.append(SeqInput(
-                r.request_id, r.token_ids[start:end], start, s.block_table, s.spec_token_ids,
-                end == r.num_tokens, p, r.num_prompt_tokens, r.num_output_tokens,
-                r.eos_token_ids,
-                r.prompt_token_ids if pen or p.prompt_logprobs is not None else None,
-                r.output_token_ids if pen else None, r.lora_request))
+                r.request_id, toks[start:end], start, s.block_table, s.spec_token_ids, end == n,
+                p, n_prompt, n - n_prompt, r.eos_token_ids,
+                prompt if pen or p.prompt_logprobs is not None else None,
+                toks[n_prompt:] if pen else None, r.lora_request))
         return cls(seqs=seqs, kv=out.kv, token_masks=token_masks)
 
 
