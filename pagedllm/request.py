@@ -66,9 +66,6 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     # False: preempted by recompute whatever preemption_mode says (beams, pagedllm.engine.beam)
     swappable: bool = True
-    # speculative decoding: tokens proposed to follow ``token_ids``, verified by the next step
-    # (pagedllm/spec_decode); never part of ``token_ids`` until accepted
-    spec_token_ids: list[int] = field(default_factory=list)
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     # token sequences it may never generate (``SamplingParams.bad_words``, tokenized at admission)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()

@@ -1,7 +1,7 @@
 """Nothing outside the runner touches the KV tensors: every change travels in the step.
 
 The runner (pagedllm/runner/) owns the KV tensors of its rank; the engine, the scheduler, the
-executor and the workers only hand it ``SchedulerOutput.kv`` through ``execute`` / ``run_step``.
+executor and the workers only hand it ``ModelInput.kv`` through ``execute`` / ``run_step``.
 This walks the package's syntax trees: no ``.kv_cache`` attribute, no ``"kv_cache"`` string
 (``getattr``) and no import of ``pagedllm.runner.kv_cache`` outside the runner. (Tests read rank
 0's tensors through ``engine.runner.kv_cache``; the package does not.)

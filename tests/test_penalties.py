@@ -72,7 +72,8 @@ def test_presence_and_frequency_penalties_match_the_formula(
         assert g == _reference(hf, p, pr, fr)
     if num_kv_blocks == 14:
         assert llm.engine.num_preemptions > 0
-    # every request's penalty slot came back
+    # every request's penalty slot came back (slot 0: the plain rows' zero row, never handed out)
     pc = llm.engine.runner.penalty_counts
-    assert not pc.slots and len(pc.free) == pc.counts.shape[0]
+    assert not pc.slots and sorted(pc.free) == list(range(1, pc.counts.shape[0]))
+    assert not pc.counts[0].any() and not pc.prompt[0].any()
     assert _run(llm, params) == got  # recycled (zeroed) slots give the same result

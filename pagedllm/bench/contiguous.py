@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Mapping
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.kv.manager import KVCacheManager
@@ -73,7 +74,8 @@ class ContiguousScheduler(Scheduler):
         return len(self.queue)
 
     # -- one step -----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, proposals: Mapping[str, list[int]] | None = None) -> SchedulerOutput:
+        """The baseline verifies no proposals (speculative decoding is not part of it)."""
         out = SchedulerOutput()
         if not self.running:  # static batching: admit only when the previous batch is done
             while self.queue and len(self.running) < self.config.max_num_seqs:

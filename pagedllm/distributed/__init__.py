@@ -13,7 +13,7 @@ Map:
 
 The scheduler and the block manager run once, in the engine process, which is also rank 0. Each
 step rank 0 sends every worker the step's KV changes (copy-on-write, swap, compaction, resize:
-``SchedulerOutput.kv``) and the prepared host batch (token ids, positions, slot mapping, block
+``ModelInput.kv``) and the prepared host batch (token ids, positions, slot mapping, block
 tables: one block table for all ranks) as one ``run_step`` call, then all ranks apply the changes
 and run the forward; each rank's KV cache holds only its KV heads under the same block ids. A script that starts a tensor-parallel engine must do so under
 ``if __name__ == "__main__":`` (workers are spawned and re-import the main module).

@@ -1,5 +1,8 @@
 """EngineCore: the model's side of the engine. Token ids in (``EngineCoreRequest``), token ids out
-(``EngineCoreOutputs``); no text. ``step()`` = schedule -> execute -> update -> outputs.
+(``EngineCoreOutputs``); no text. ``step()`` = schedule -> execute -> update -> outputs, as
+messages: the spec decoder's proposals (request id -> token ids) go into ``schedule``; the
+executor is told the step as plain data (``ModelInput``: the scheduled sequences, KV changes and
+grammar masks), never a live ``Request``.
 
 Built in one order on every device: the executor loads the weights (and, on a GPU without an
 explicit KV size, profiles memory) -> the KV pool is planned from the budget -> KV manager and
@@ -33,6 +36,7 @@ from pagedllm.kv.publisher import ZmqEventPublisher
 from pagedllm.logging_utils import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.request import Request, RequestStatus
+from pagedllm.runner.model_input import ModelInput
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.sched import Scheduler, SchedulerOutput
 from pagedllm.sched.build import build_scheduler
@@ -188,14 +192,15 @@ class EngineCore:
     # -- the hot loop ---------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         t0 = time.perf_counter()
-        if self.spec is not None:  # speculative decoding: proposals for this step's decodes
-            self.spec.propose(self.scheduler.running, self.owns, self.scheduler.num_steps + 1)
-        sched = self.scheduler.schedule()
+        proposals = None if self.spec is None else self.spec.propose(  # speculative decoding
+            self.scheduler.running, self.owns, self.scheduler.num_steps + 1)
+        sched = self.scheduler.schedule(proposals)
         stats = StepStats.open(self.scheduler, sched)
-        sched.token_masks = self.structured.masks(sched)  # computed while the model runs
+        # the executor's message; the grammar masks are computed while the model runs
+        model_input = ModelInput.build(sched, self.structured.masks(sched))
         out = StepOutputs(sched, self._group_of)
         try:
-            result = self.executor.execute(sched)
+            result = self.executor.execute(model_input)
         except Exception as e:  # noqa: BLE001 - a bad request fails alone, else re-raised
             self._fail_culprits(sched, e)
             finished: list[Request] = []
@@ -209,15 +214,15 @@ class EngineCore:
             out.add_tokens(result)
             out.beams = self.beams.select()
             stats.prepare_time_s = result.prepare_s
-            if sched.token_masks is not None:
-                m = sched.token_masks
+            if model_input.token_masks is not None:
+                m = model_input.token_masks
                 stats.num_structured_rows = len(m.rows)
                 stats.grammar_mask_time_s, stats.grammar_wait_time_s = m.compute_s, m.wait_s
         outputs = out.build(self._ended)
         self._release_ended(finished)
         upkeep = self.scheduler.end_step()  # compaction, or shrinking an idle pool: KV only
         if upkeep is not None:
-            self.executor.execute(upkeep)
+            self.executor.execute(ModelInput(kv=upkeep.kv))
         self.stats = self._close(stats, time.perf_counter() - t0)
         return EngineCoreOutputs(outputs=outputs, stats=self.stats)
 
@@ -271,7 +276,7 @@ class EngineCore:
     def defragment(self) -> int:
         """Compact now: live blocks move to the lowest ids. Returns the number of blocks moved."""
         out = self.memory.defragment()
-        self.executor.execute(out)
+        self.executor.execute(ModelInput(kv=out.kv))
         return len(out.kv.compaction)
 
     def reset_prefix_cache(self) -> bool:

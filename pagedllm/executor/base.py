@@ -6,8 +6,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
 from pagedllm.config import EngineConfig
+from pagedllm.runner.model_input import ModelInput
 from pagedllm.runner.model_runner import ModelRunner, RunnerOutput
-from pagedllm.sched.output import SchedulerOutput
 
 if TYPE_CHECKING:
     from pagedllm.runner.memory import MemoryProfile
@@ -30,8 +30,9 @@ class Executor:
         """Run ``method`` (a ModelRunner method) on every rank; results in rank order."""
         return [method(self.driver, *args, **kwargs)]
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        return self.driver.execute(out)
+    def execute(self, step: ModelInput) -> RunnerOutput:
+        """The step (plain data: ``ModelInput``) on every rank; rank 0 samples."""
+        return self.driver.execute(step)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate every rank's KV pool (once the engine has planned it)."""

@@ -48,8 +48,8 @@ from pagedllm.distributed.worker import (
 )
 from pagedllm.executor.base import Executor, P, R
 from pagedllm.logging_utils import init_logger
+from pagedllm.runner.model_input import ModelInput
 from pagedllm.runner.model_runner import ModelRunner, RunnerOutput
-from pagedllm.sched.output import SchedulerOutput
 
 logger = init_logger(__name__)
 
@@ -206,15 +206,16 @@ class MultiprocExecutor(Executor):
     def comm_stats(self) -> CommStats:
         return self.tp.stats
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(self, step: ModelInput) -> RunnerOutput:
         """The step on every rank: workers get ``run_step`` with the same KV changes and host
-        batch that rank 0's ``execute`` runs (the batch is prepared once, here)."""
+        batch that rank 0's ``execute`` runs (the batch is prepared once, here). Workers need
+        no more of the ``ModelInput``: they neither sample nor wait for grammar masks."""
         self.check_health()
         t0 = time.perf_counter()
-        hb = self.driver.prepare(out.scheduled) if out.scheduled else None
+        hb = self.driver.prepare(step.seqs) if step.seqs else None
         prepare_s = time.perf_counter() - t0
-        self._call(ModelRunner.run_step.__name__, (out.kv, hb), {}, reply=False)
-        result = self._on_driver(self.driver.execute, out, hb)
+        self._call(ModelRunner.run_step.__name__, (step.kv, hb), {}, reply=False)
+        result = self._on_driver(self.driver.execute, step, hb)
         result.prepare_s = prepare_s
         if hb is not None:
             self.tp.stats.steps += 1

@@ -14,7 +14,7 @@ import numpy as np
 
 from pagedllm.layers.sampler import SamplingMetadata
 from pagedllm.runner.batch import Uploader
-from pagedllm.sched.output import ScheduledRequest
+from pagedllm.runner.model_input import SeqInput
 from pagedllm.structured.masks import TokenMasks, mask_words
 
 
@@ -24,9 +24,9 @@ class TokenConstraints:
         self.up = uploader
         self._allowed: dict[str, np.ndarray] = {}  # request id -> its allowed_token_ids mask
 
-    def add(self, md: SamplingMetadata, rows: list[int], sub: list[ScheduledRequest],
+    def add(self, md: SamplingMetadata, rows: list[int], sub: list[SeqInput],
             masks: TokenMasks | None) -> None:
-        """``sub``: the sampling rows, ``rows``: their indices in the step's ``scheduled`` (which
+        """``sub``: the sampling rows, ``rows``: their indices in the step's ``seqs`` (which
         ``masks.rows`` index)."""
         row_mask: dict[int, np.ndarray] = {}
         if masks is not None:
@@ -38,7 +38,7 @@ class TokenConstraints:
         bias_ids: list[int] = []
         bias_vals: list[float] = []
         for j, s in enumerate(sub):
-            p = s.request.params
+            p = s.params
             if not p.masks_tokens:
                 continue
             if p.logit_bias:
@@ -46,7 +46,7 @@ class TokenConstraints:
                 bias_ids += list(p.logit_bias)
                 bias_vals += list(p.logit_bias.values())
             if p.allowed_token_ids is not None:
-                allowed = self._allowed_mask(s.request.request_id, p.allowed_token_ids)
+                allowed = self._allowed_mask(s.request_id, p.allowed_token_ids)
                 row_mask[j] = allowed if j not in row_mask else row_mask[j] & allowed
         if bias_ids:
             r, t = self.up.upload([np.asarray(bias_rows, dtype=np.int64),

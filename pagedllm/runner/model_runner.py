@@ -1,4 +1,4 @@
-"""SchedulerOutput -> flat batch tensors -> model -> sampled tokens.
+"""ModelInput (the step as plain data) -> flat batch tensors -> model -> sampled tokens.
 
 The flat batch layout is drawn in runner/batch.py. Everything here is batched over tokens with
 tensor ops; Python loops run over requests only. On CUDA a step makes one host->device copy of
@@ -35,9 +35,10 @@ from pagedllm.runner.constraints import TokenConstraints
 from pagedllm.runner.cuda_graph import DecodeGraphs, capture_sizes
 from pagedllm.runner.kv_cache import KVCache
 from pagedllm.runner.memory import MemoryProfile, MemoryProfiler
+from pagedllm.runner.model_input import ModelInput, SeqInput
 from pagedllm.runner.penalties import PenaltyCounts
 from pagedllm.runner.sampling import sampling_metadata
-from pagedllm.sched.output import KVUpdate, ScheduledRequest, SchedulerOutput
+from pagedllm.sched.output import KVUpdate
 from pagedllm.spec_decode import verify
 
 logger = init_logger(__name__)
@@ -242,7 +243,7 @@ class ModelRunner:
         del kv
 
     # -- batch preparation --------------------------------------------------------------------
-    def prepare(self, sched: list[ScheduledRequest]) -> HostBatch:
+    def prepare(self, sched: list[SeqInput]) -> HostBatch:
         """The step's flat batch on the host: block tables -> positions and slot mapping."""
         return build_host_batch([s.input_token_ids for s in sched],
                                 [s.start for s in sched], [s.block_table for s in sched],
@@ -283,10 +284,10 @@ class ModelRunner:
         return self.run_forward(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, hb: HostBatch | None = None) -> RunnerOutput:
+    def execute(self, out: ModelInput, hb: HostBatch | None = None) -> RunnerOutput:
         """Rank 0's step: ``run_step`` over the step's batch (``hb``, if the executor prepared it
         already), then logits, sampling and logprobs."""
-        sched = out.scheduled
+        sched = out.seqs
         result = RunnerOutput()
         if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
             torch.cuda.set_device(self.device)  # a server steps the engine from its own thread
@@ -295,7 +296,7 @@ class ModelRunner:
             hb = self.prepare(sched)
             result.prepare_s = time.perf_counter() - t0
         lora = None if self.lora is None or not sched else self.lora.prepare(
-            [s.request.lora_request for s in sched], [s.num_new_tokens for s in sched])
+            [s.lora_request for s in sched], [s.num_new_tokens for s in sched])
         hidden = self.run_step(out.kv, hb, lora)
         if hidden is None or hb is None:
             return result
@@ -328,7 +329,7 @@ class ModelRunner:
             toks: list[SampledToken] = []
             for j, s in enumerate(sub):
                 tok = SampledToken(ids[j])
-                k = s.request.params.logprobs
+                k = s.params.logprobs
                 if k is not None and lps is not None and ranks is not None:
                     tok.logprob, tok.rank = lps[j], ranks[j]
                     if k > 0 and tk_ids is not None and tk_lps is not None:
@@ -338,20 +339,21 @@ class ModelRunner:
             spec.rewind(result.accepted, self.vocab_size)
 
         for i, s in enumerate(sched):
-            if s.request.params.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1:
-                result.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(
+            if s.params.prompt_logprobs is not None and s.start < s.num_prompt_tokens - 1:
+                result.prompt_logprobs[s.request_id] = self._prompt_logprobs(
                     s, hidden, q_start[i]
                 )
         return result
 
-    def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor, row0: int) -> PromptLogprobsChunk:
+    def _prompt_logprobs(self, s: SeqInput, hidden: torch.Tensor, row0: int) -> PromptLogprobsChunk:
         """Row at position p predicts prompt token p+1, for p < num_prompt_tokens - 1.
 
         In slices of ``PROMPT_LOGPROBS_ROWS`` rows: a whole chunk at once would hold several
         [rows, vocab] fp32 tensors (GiBs for a large vocabulary) that no memory profile counts."""
-        req = s.request
-        end = min(s.end, req.num_prompt_tokens - 1)
-        k = req.params.prompt_logprobs or 0
+        prompt = s.prompt_token_ids
+        assert prompt is not None, "a row with prompt logprobs carries its prompt"
+        end = min(s.end, s.num_prompt_tokens - 1)
+        k = s.params.prompt_logprobs or 0
         chosen: list[float] = []
         ranks: list[int] = []
         topk: list[list[tuple[int, float]]] = []
@@ -359,7 +361,7 @@ class ModelRunner:
             b = min(a + PROMPT_LOGPROBS_ROWS, end)
             rows = hidden[row0 + a - s.start : row0 + b - s.start]
             logprobs = self.model.compute_logits(rows).log_softmax(-1)  # [rows, V] fp32
-            targets = self.uploader.tensor(req.prompt_token_ids[a + 1 : b + 1], torch.long)
+            targets = self.uploader.tensor(prompt[a + 1 : b + 1], torch.long)
             st = logprob_stats(logprobs, targets, k)
             c, r, tk_ids, tk_lps = fetch([st.logprobs, st.ranks, st.topk_ids, st.topk_logprobs])
             assert c is not None and r is not None

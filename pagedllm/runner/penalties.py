@@ -8,7 +8,9 @@ Each request that uses a penalty gets a row (a slot) in two persistent tables::
 A step adds only the tokens generated since the request's previous step (usually one) with one
 scatter-add, then gathers the batch's rows: O(new tokens) host work per step instead of re-sending
 every output token of every request. Rows are zeroed and recycled by ``release``; the tables
-double when they run out of slots.
+double when they run out of slots. Slot 0 stays all zeros: the row of every request of the batch
+that uses no penalty (its penalties are neutral, whatever its counts; its ``SeqInput`` carries
+no token lists).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.request import Request
 from pagedllm.runner.batch import Uploader
+from pagedllm.runner.model_input import SeqInput
 
 
 class PenaltyCounts:
@@ -38,28 +40,34 @@ class PenaltyCounts:
         prompt = self.prompt.new_zeros(new, self.vocab)
         counts[:old], prompt[:old] = self.counts, self.prompt
         self.counts, self.prompt = counts, prompt
-        self.free.extend(range(new - 1, old - 1, -1))
+        self.free.extend(range(new - 1, max(old, 1) - 1, -1))  # slot 0: the zero row
 
-    def _slot(self, req: Request) -> int:
-        slot = self.slots.get(req.request_id)
+    def _slot(self, request_id: str, prompt: list[int]) -> int:
+        slot = self.slots.get(request_id)
         if slot is None:
             if not self.free:
                 self._grow()
             slot = self.free.pop()
-            self.slots[req.request_id], self.counted[req.request_id] = slot, 0
-            if req.prompt_token_ids:
-                ids = self.up.upload([np.asarray(req.prompt_token_ids, dtype=np.int64)])[0]
+            self.slots[request_id], self.counted[request_id] = slot, 0
+            if prompt:
+                ids = self.up.upload([np.asarray(prompt, dtype=np.int64)])[0]
                 self.prompt[slot, ids] = True
         return slot
 
-    def rows(self, reqs: list[Request], with_prompt: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(output counts [B, vocab], prompt mask [B, vocab] or None) of the batch's requests."""
+    def rows(self, reqs: list[SeqInput], with_prompt: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output counts [B, vocab], prompt mask [B, vocab] or None) of the batch's requests;
+        the zero row for those without penalties (no ``output_token_ids``)."""
         slots: list[int] = []
         new_rows: list[int] = []
         new_toks: list[int] = []
+        if not len(self.counts):
+            self._grow()  # the zero row
         for r in reqs:
-            slot = self._slot(r)
             out = r.output_token_ids
+            if out is None or r.prompt_token_ids is None:
+                slots.append(0)
+                continue
+            slot = self._slot(r.request_id, r.prompt_token_ids)
             done = self.counted[r.request_id]
             if len(out) < done:  # outputs were rewritten: count them again
                 self.counts[slot].zero_()

@@ -12,8 +12,8 @@ import torch
 
 from pagedllm.layers.sampler import SamplingMetadata
 from pagedllm.runner.batch import Uploader
+from pagedllm.runner.model_input import SeqInput
 from pagedllm.runner.penalties import PenaltyCounts
-from pagedllm.sched.output import ScheduledRequest
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily
 
@@ -26,7 +26,7 @@ def request_seed(engine_seed: int, request_id: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def sampling_metadata(sched: list[ScheduledRequest], up: Uploader,
+def sampling_metadata(sched: list[SeqInput], up: Uploader,
                       generators: dict[str, torch.Generator],
                       penalty_counts: PenaltyCounts,
                       unseeded: int | None = None) -> tuple[SamplingMetadata, bool]:
@@ -35,7 +35,7 @@ def sampling_metadata(sched: list[ScheduledRequest], up: Uploader,
     request's first sampled step. ``unseeded``: the engine seed in batch-invariant mode, where
     a request without a seed gets a generator too (``request_seed``); None: such requests draw
     from the global generator, in batch order."""
-    params = [s.request.params for s in sched]
+    params = [s.params for s in sched]
     temps = [0.0 if p.temperature < GREEDY_EPS else p.temperature for p in params]
     md = SamplingMetadata(temperature=up.tensor(temps, torch.float32), all_greedy=not any(temps))
     if not md.all_greedy:
@@ -46,29 +46,28 @@ def sampling_metadata(sched: list[ScheduledRequest], up: Uploader,
         if any(p.min_p > 0.0 for p in params):
             md.min_p = up.tensor([p.min_p for p in params], torch.float32)
         for row, s in enumerate(sched):
-            seed = s.request.params.seed
+            seed = s.params.seed
             if seed is None and unseeded is not None:
-                seed = request_seed(unseeded, s.request.request_id)
+                seed = request_seed(unseeded, s.request_id)
             if seed is not None and temps[row] > 0.0:
-                gen = generators.get(s.request.request_id)
+                gen = generators.get(s.request_id)
                 if gen is None:
                     gen = torch.Generator(device=up.device).manual_seed(seed)
-                    generators[s.request.request_id] = gen
+                    generators[s.request_id] = gen
                 md.generators[row] = gen
     penalties = masks = False
     rows: list[int] = []
     bans: list[int] = []
     k_max: int | None = None
     for row, s in enumerate(sched):
-        r = s.request
-        p = r.params
+        p = s.params
         penalties = penalties or p.uses_penalties
         masks = masks or p.masks_tokens
         if p.logprobs is not None and (k_max is None or p.logprobs > k_max):
             k_max = p.logprobs
-        ban = r.bad_word_bans() if r.bad_words_token_ids else []
-        if p.min_tokens and r.num_output_tokens < p.min_tokens:
-            ban += list(r.eos_token_ids) + list(p.stop_token_ids or [])
+        ban = list(s.bad_word_bans or ())
+        if p.min_tokens and s.num_output_tokens < p.min_tokens:
+            ban += list(s.eos_token_ids) + list(p.stop_token_ids or [])
         if ban:
             rows.extend([row] * len(ban))
             bans.extend(ban)
@@ -82,12 +81,11 @@ def sampling_metadata(sched: list[ScheduledRequest], up: Uploader,
     return md, masks
 
 
-def _add_penalties(md: SamplingMetadata, sched: list[ScheduledRequest], up: Uploader,
+def _add_penalties(md: SamplingMetadata, sched: list[SeqInput], up: Uploader,
                    penalty_counts: PenaltyCounts) -> None:
-    params = [s.request.params for s in sched]
+    params = [s.params for s in sched]
     repetition = any(p.repetition_penalty != 1.0 for p in params)
-    md.output_counts, md.prompt_mask = penalty_counts.rows(
-        [s.request for s in sched], with_prompt=repetition)
+    md.output_counts, md.prompt_mask = penalty_counts.rows(sched, with_prompt=repetition)
     if repetition:
         md.repetition_penalty = up.tensor([p.repetition_penalty for p in params], torch.float32)
     if any(p.presence_penalty != 0.0 for p in params):

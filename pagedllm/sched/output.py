@@ -1,21 +1,20 @@
-"""What one step is: ``SchedulerOutput``, the only thing the runner is told. Pure Python."""
+"""What one step is: ``SchedulerOutput``, the scheduler's record of it (engine side: it holds the
+live Requests; the executor is told ``runner.model_input.ModelInput``, built from it). Pure
+Python."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pagedllm.request import Request
-
-if TYPE_CHECKING:
-    from pagedllm.structured.masks import TokenMasks
 
 
 @dataclass
 class ScheduledRequest:
     """``num_new_tokens`` positions from ``start``. With ``spec_token_ids`` (speculative
-    decoding) the last of them are proposed tokens: the request's last token plus k proposals
-    are the k + 1 query tokens whose logits verify the proposals (pagedllm/spec_decode)."""
+    decoding: the part of the step's proposals for this request that the scheduler gave slots)
+    the last of them are proposed tokens: the request's last token plus k proposals are the
+    k + 1 query tokens whose logits verify the proposals (pagedllm/spec_decode)."""
 
     request: Request
     num_new_tokens: int
@@ -35,12 +34,6 @@ class ScheduledRequest:
     def samples(self) -> bool:
         """True when this chunk reaches the end of the request, so a new token is sampled."""
         return self.end == self.request.num_tokens + len(self.spec_token_ids)
-
-    @property
-    def input_token_ids(self) -> list[int]:
-        """The token ids at positions ``start .. end - 1``: known tokens, then proposals."""
-        known = self.request.token_ids[self.start : self.end]
-        return known + self.spec_token_ids if self.spec_token_ids else known
 
 
 @dataclass
@@ -74,14 +67,11 @@ class KVUpdate:
 @dataclass
 class SchedulerOutput:
     """One step's work: the KV changes (``kv``, applied first) and the forward of ``scheduled``.
-    A step with nothing scheduled only changes the KV tensors (compaction, shrinking a pool).
-    ``token_masks``: the grammar masks of the structured rows, set by the engine (being computed
-    while the forward runs; the runner waits for them before sampling)."""
+    A step with nothing scheduled only changes the KV tensors (compaction, shrinking a pool)."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     kv: KVUpdate = field(default_factory=KVUpdate)
-    token_masks: TokenMasks | None = None
 
     @property
     def swap_out(self) -> list[tuple[int, int]]:

@@ -32,12 +32,13 @@ import bisect
 import heapq
 import itertools
 import logging
+from collections.abc import Mapping
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.kv.manager import KVCacheManager, PrefixHit
-from pagedllm.kv.window import min_blocks_to_serve
 from pagedllm.lora.request import LoRAPlaces
 from pagedllm.request import Request, RequestStatus
+from pagedllm.sched.admission import check_fits
 from pagedllm.sched.memory import KVMemoryPolicy
 from pagedllm.sched.output import ScheduledRequest, SchedulerOutput
 from pagedllm.sched.preemption import PreemptionCost, choose_preemption
@@ -94,22 +95,8 @@ class Scheduler:
                 self._fork_parent[f.request_id] = req.request_id
 
     def check_fits(self, num_prompt_tokens: int) -> None:
-        """A prompt that can never be served fails now, instead of waiting forever."""
-        max_len = self.config.max_model_len
-        if num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty; give at least one token")
-        if num_prompt_tokens >= max_len:
-            raise ValueError(
-                f"the prompt has {num_prompt_tokens} tokens but max_model_len={max_len} leaves no "
-                f"room to generate; shorten the prompt or raise --max-model-len"
-            )
-        blocks = min_blocks_to_serve(num_prompt_tokens, self.kv.block_size,
-                                     self.kv.sliding_window, self.config.enable_chunked_prefill)
-        if blocks > self.kv.max_num_blocks:
-            raise ValueError(
-                f"the prompt needs {blocks} KV blocks of {self.kv.block_size} tokens but the pool "
-                f"has {self.kv.max_num_blocks}; raise --kv-cache-memory / --num-kv-blocks"
-            )
+        """A prompt that can never be served fails now (``admission.check_fits``)."""
+        check_fits(self.config, self.kv, num_prompt_tokens)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (stop, length, abort) a request wherever it is; its blocks go back to the pool."""
@@ -196,7 +183,9 @@ class Scheduler:
             self._fork_children(req)
 
     # -- one step -----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, proposals: Mapping[str, list[int]] | None = None) -> SchedulerOutput:
+        """The step's work. ``proposals`` (speculative decoding): request id -> tokens proposed
+        to follow its tokens; a decode verifies what fits (``ScheduledRequest.spec_token_ids``)."""
         self.num_steps += 1
         out = SchedulerOutput()
         self.memory.grow(out, self.requests.values(), len(self.running))
@@ -208,8 +197,8 @@ class Scheduler:
             if n <= 0 or not loras.admits(req.lora_request):
                 i += 1
                 continue
-            spec = proposals_to_verify(req, n, budget, len(self.running) - 1 - i, self.kv,
-                                       self._try_allocate)
+            spec = proposals_to_verify(req, proposals, n, budget, len(self.running) - 1 - i,
+                                       self.kv, self._try_allocate)
             n = n if spec else self._allocate_or_preempt(req, n, out)
             if not n:
                 break  # req itself was preempted; everything after it already was

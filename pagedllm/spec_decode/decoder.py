@@ -3,10 +3,13 @@
     step():  propose (here) -> schedule -> execute (verify) -> update (accept, roll back) -> outputs
 
 ``propose`` runs before ``schedule``: each decoding request the adaptive rule lets through gets
-``spec_token_ids`` from the proposer (n-gram lookup, or a draft model: spec_decode/draft.py); the scheduler gives it
-1 + k query tokens inside the token budget (sched/scheduler.py ``_proposals``), the runner
-verifies them (spec_decode/verify.py), ``Scheduler.update`` appends the accepted ones and rolls
-the KV back past them (``KVCacheManager.rollback``), and ``record`` counts the step.
+proposals from the proposer (n-gram lookup, or a draft model: spec_decode/draft.py), returned as
+plain data (request id -> token ids) that the engine hands to ``Scheduler.schedule``; the
+scheduler gives a request 1 + k query tokens inside the token budget
+(spec_decode/schedule.py ``proposals_to_verify``: ``ScheduledRequest.spec_token_ids``), the
+runner verifies them (``SeqInput.spec_token_ids``, spec_decode/verify.py), ``Scheduler.update``
+appends the accepted ones and rolls the KV back past them (``KVCacheManager.rollback``), and
+``record`` counts the step.
 
 Requests that never propose (they run as plain decodes in the same step): beams (their step is
 scored, not appended), requests with presence / frequency / repetition penalties (the penalty of
@@ -74,17 +77,15 @@ class SpecDecoder:
         self.rule = AdaptiveRule(config)
         self.total = SpecDecodeCounts()
 
-    def propose(self, running: Iterable[Request], owns: Callable[[str], bool], step: int) -> int:
-        """Set ``spec_token_ids`` of the running requests that propose this step (and clear
-        everyone else's). ``owns``: whether a request may speculate (not a beam). Returns the
-        number of requests given proposals."""
-        decoding: list[Request] = []
-        for r in running:
-            r.spec_token_ids = []
-            if r.num_computed_tokens == r.num_tokens - 1 and owns(r.request_id):
-                decoding.append(r)
+    def propose(self, running: Iterable[Request], owns: Callable[[str], bool],
+                step: int) -> dict[str, list[int]]:
+        """This step's proposals of the running requests that propose: request id -> tokens to
+        follow its ``token_ids`` (non-empty; the requests are only read). ``owns``: whether a
+        request may speculate (not a beam)."""
+        decoding = [r for r in running
+                    if r.num_computed_tokens == r.num_tokens - 1 and owns(r.request_id)]
         if not decoding or not self.rule.batch_allows(len(decoding)):
-            return 0
+            return {}
         reqs: list[Request] = []
         ks: list[int] = []
         for r in decoding:
@@ -93,12 +94,9 @@ class SpecDecoder:
                 reqs.append(r)
                 ks.append(k)
         if not reqs:
-            return 0
-        n = 0
-        for r, k, p in zip(reqs, ks, self.proposer.propose(reqs, ks)):
-            r.spec_token_ids = p[:k]
-            n += bool(p)
-        return n
+            return {}
+        return {r.request_id: p[:k] for r, k, p in zip(reqs, ks, self.proposer.propose(reqs, ks))
+                if p}
 
     def record(self, out: SchedulerOutput, accepted: dict[str, int], step: int) -> SpecDecodeCounts:
         """The step's verifications (``accepted``: proposals kept per verifying request)."""

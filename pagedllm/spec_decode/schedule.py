@@ -3,20 +3,22 @@ verifies, and the tokens a verification appends. ``sched/scheduler.py`` calls th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sched.output import ScheduledRequest
 
 
-def proposals_to_verify(req: Request, n: int, budget: int, num_after: int, kv: KVCacheManager,
+def proposals_to_verify(req: Request, proposals: Mapping[str, list[int]] | None, n: int,
+                        budget: int, num_after: int, kv: KVCacheManager,
                         allocate: Callable[[Request, int], bool]) -> list[int]:
-    """The part of ``req.spec_token_ids`` this step verifies, its slots allocated (``allocate``:
-    the scheduler's ``_try_allocate``): only for a decode, within the token budget and the tokens
-    ``req`` may still generate, and only from blocks the ``num_after`` running requests after it
-    do not need for their decodes (one each at most), so proposals never cause a preemption."""
-    spec = req.spec_token_ids
+    """The part of ``req``'s proposals (``proposals[req.request_id]``) this step verifies, its
+    slots allocated (``allocate``: the scheduler's ``_try_allocate``): only for a decode, within
+    the token budget and the tokens ``req`` may still generate, and only from blocks the
+    ``num_after`` running requests after it do not need for their decodes (one each at most), so
+    proposals never cause a preemption."""
+    spec = proposals.get(req.request_id) if proposals else None
     if not spec or n != 1 or req.num_computed_tokens != req.num_tokens - 1:
         return []
     spec = spec[: max(0, min(budget - 1, req.max_output_tokens - req.num_output_tokens - 1))]

@@ -32,7 +32,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from pagedllm.sched.output import ScheduledRequest
+from pagedllm.runner.model_input import SeqInput
 
 
 class _Token(Protocol):
@@ -42,7 +42,7 @@ class _Token(Protocol):
 T = TypeVar("T", bound=_Token)
 
 
-def accept(rows: list[ScheduledRequest], tokens: list[T], sampled: dict[str, T],
+def accept(rows: list[SeqInput], tokens: list[T], sampled: dict[str, T],
            accepted: dict[str, list[T]]) -> None:
     """``rows``: the scheduled request of each sampled row (a verifying request's k + 1 rows in
     a row), ``tokens``: the target's token of each row. Fills ``sampled`` (the last kept token
@@ -55,7 +55,7 @@ def accept(rows: list[ScheduledRequest], tokens: list[T], sampled: dict[str, T],
         a = 0
         while a < len(spec) and own[a].token_id == spec[a]:
             a += 1
-        rid = s.request.request_id
+        rid = s.request_id
         sampled[rid] = own[a]
         if spec:
             accepted[rid] = own[:a]
@@ -67,14 +67,13 @@ class SeededRewind:
     advanced by one draw per kept token afterwards (so the k + 1 rows' draws cost the stream
     only what the kept tokens would have cost without speculation)."""
 
-    def __init__(self, rows: list[ScheduledRequest], generators: dict[str, torch.Generator]) -> None:
+    def __init__(self, rows: list[SeqInput], generators: dict[str, torch.Generator]) -> None:
         self.generators = generators
         self.saved: dict[str, tuple[int, torch.Tensor | None]] = {}
         for s in rows:
-            r = s.request
-            if s.spec_token_ids and r.params.seed is not None and r.request_id not in self.saved:
-                gen = generators.get(r.request_id)
-                self.saved[r.request_id] = (len(s.spec_token_ids),
+            if s.spec_token_ids and s.params.seed is not None and s.request_id not in self.saved:
+                gen = generators.get(s.request_id)
+                self.saved[s.request_id] = (len(s.spec_token_ids),
                                             None if gen is None else gen.get_state())
 
     def rewind(self, accepted: Mapping[str, Sequence[object]], vocab_size: int) -> None:

@@ -1,10 +1,11 @@
-"""``TokenMasks``: one step's grammar masks as the runner receives them (with the
-``SchedulerOutput``), possibly still being computed. Imports nothing of the engine."""
+"""``TokenMasks``: one step's grammar masks as the runner receives them (in the step's
+``ModelInput``), possibly still being computed. Imports nothing of the engine."""
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 
@@ -15,8 +16,9 @@ def mask_words(vocab_size: int) -> int:
 
 
 class TokenMasks:
-    """One step's grammar masks: ``rows`` index ``SchedulerOutput.scheduled``; ``bits()`` is
-    int32 [len(rows), mask_words(vocab)], waited for on first use."""
+    """One step's grammar masks: ``rows`` index ``ModelInput.seqs`` (= ``SchedulerOutput.
+    scheduled``); ``bits()`` is int32 [len(rows), mask_words(vocab)], waited for on first use.
+    Pickled or encoded (``runner.model_input``), it is sent as its finished bits."""
 
     def __init__(self, rows: list[int], bits: np.ndarray, done: Future[float]) -> None:
         self.rows = rows
@@ -24,6 +26,17 @@ class TokenMasks:
         self._done = done
         self.compute_s = 0.0  # llguidance's time for the masks
         self.wait_s = 0.0  # how long the caller of bits() waited for them
+
+    @classmethod
+    def ready(cls, rows: list[int], bits: np.ndarray, compute_s: float = 0.0) -> TokenMasks:
+        """Masks already computed (received from another process)."""
+        done: Future[float] = Future()
+        done.set_result(compute_s)
+        return cls(rows, bits, done)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        bits = self.bits()
+        return (TokenMasks.ready, (self.rows, bits, self.compute_s))
 
     def bits(self) -> np.ndarray:
         if not self._done.done():

@@ -101,8 +101,8 @@ def test_contiguous_reserves_max_model_len_and_batches_statically(model: Path) -
 
         log: list[tuple[set[str], int, set[int]]] = []
 
-        def schedule(self):  # type: ignore[no-untyped-def]
-            out = super().schedule()
+        def schedule(self, proposals=None):  # type: ignore[no-untyped-def]
+            out = super().schedule(proposals)
             ids = {r.request_id for r in self.running}
             held = self.kv.num_blocks - self.kv.num_free_blocks
             self.log.append((ids, held, {len(self.kv.block_table(i)) for i in ids}))

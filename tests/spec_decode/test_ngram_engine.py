@@ -287,7 +287,7 @@ def test_metrics_count_drafts_and_accepts(tiny_models: dict[str, Path]) -> None:
     assert sum(st.num_generation_tokens for st in steps) == 4 * GREEDY.max_tokens
     text = ServerMetrics(eng, "m").render().decode()
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-        assert f'pagedllm:spec_decode_{key}_total{{model_name="m"}} {float(s["spec_decode_" + key])}' in text
+        assert f'pagedllm:spec_decode_{key}_total{{engine="0",model_name="m"}} {float(s["spec_decode_" + key])}' in text
     plain = _llm(tiny_models, False).engine
     assert "spec_decode" not in ServerMetrics(plain, "m").render().decode()
     assert plain.spec is None and plain.kv_stats()["spec_decode_num_drafts"] == 0

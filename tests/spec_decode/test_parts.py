@@ -75,15 +75,12 @@ class _Tok:
 
 
 def test_accept_keeps_the_matching_prefix_and_the_targets_token() -> None:
-    from pagedllm.request import Request
+    from pagedllm.runner.model_input import SeqInput
     from pagedllm.sampling_params import SamplingParams
-    from pagedllm.sched.output import ScheduledRequest
     from pagedllm.spec_decode.verify import accept
 
-    def sched(rid: str, spec: list[int]) -> ScheduledRequest:
-        r = Request(rid, [1, 2, 3], SamplingParams(max_tokens=8))
-        r.num_computed_tokens = 2
-        return ScheduledRequest(r, 1 + len(spec), [0], spec)
+    def sched(rid: str, spec: list[int]) -> SeqInput:
+        return SeqInput(rid, [3], 2, [0], spec, True, SamplingParams(max_tokens=8), 3, 0, ())
 
     a, b, c = sched("a", [5, 6, 7]), sched("b", []), sched("c", [8, 9])
     rows = [a] * 4 + [b] + [c] * 3
