@@ -69,18 +69,23 @@ def serve_sets(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
 def scrape(base_url: str) -> dict[str, dict[str, float]]:
     """``COUNTERS`` of the server's ``/metrics``, per ``engine`` label: {name: {engine: value}}."""
     import httpx
+
+    return parse_counters(httpx.get(base_url.rstrip("/") + "/metrics", timeout=10).text)
+
+
+def parse_counters(text: str) -> dict[str, dict[str, float]]:
+    """``COUNTERS`` of a Prometheus text exposition, summed per ``engine`` label (the model
+    label and any other summed over)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10).text
     out: dict[str, dict[str, float]] = {c: {} for c in COUNTERS}
+    wanted = {f"pagedllm:{c}_total": c for c in COUNTERS}
     for fam in text_string_to_metric_families(text):
-        name = fam.name.removeprefix("pagedllm:")
-        if name not in out:
-            continue
-        for s in fam.samples:
-            if s.name.endswith("_total"):
+        for s in fam.samples:  # by sample name: how the family is named varies by version
+            c = wanted.get(s.name)
+            if c is not None:
                 e = s.labels.get("engine", "0")
-                out[name][e] = out[name].get(e, 0.0) + s.value
+                out[c][e] = out[c].get(e, 0.0) + s.value
     return out
 
 
