@@ -110,8 +110,8 @@ def plan_replicas(reqs: list[BenchRequest], cfg: EngineConfig, profile: Profile 
 def format_replicas(p: dict[str, Any]) -> list[str]:
     n, one, many = p["data_parallel_size"], p["one_engine"], p["replicas"]
     lines = [f"data parallel    {n} replicas, round-robin split {many['num_requests']} requests, "
-             f"{p['threads_per_replica']} threads each ({p['cores']} cores; profile at "
-             f"{p['profile_threads']} threads: step cost x {p['step_cost_factor']:.2f})",
+             f"threads each {p['threads_per_replica']} ({p['cores']} cores; profile at "
+             f"threads {p['profile_threads']}: step cost x {p['step_cost_factor']:.2f})",
              f"computed prefill one engine {one['computed_prefill_tokens']} tokens, {n} replicas "
              f"{many['computed_prefill_tokens']}"]
     if "output_tokens_per_s" in many:
