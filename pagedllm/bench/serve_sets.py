@@ -50,7 +50,7 @@ def add_set_args(p: argparse.ArgumentParser) -> None:
 
 def serve_sets(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(label, extra `pagedllm serve` flags) of every set, the reference first."""
-    sets = [(REFERENCE, [])] if a.reference else []
+    sets: list[tuple[str, list[str]]] = [(REFERENCE, [])] if a.reference else []
     n = a.data_parallel_size
     for pol in [x.strip() for x in (a.policies or "").split(",") if x.strip()]:
         if n < 1:
@@ -107,8 +107,8 @@ def run_sets(sets: list[tuple[str, list[str]]], settings: ServerSettings, rounds
     for r in range(rounds):
         for lab, flags in sets if r % 2 == 0 else sets[::-1]:
             port = free_port()
-            s = replace(settings, extra=(*settings.extra, *flags))
-            cmd, env = server_command("pagedllm", s, port)
+            cmd, env = server_command("pagedllm", replace(settings, extra=(*settings.extra, *flags)),
+                                      port)
             print(f"round {r + 1}/{rounds}: {lab} ({shlex.join(flags) or 'no extra flags'})",
                   flush=True)
             with running_server(cmd, env, port, start_timeout_s) as base:
@@ -120,7 +120,7 @@ def run_sets(sets: list[tuple[str, list[str]]], settings: ServerSettings, rounds
             print(f"  {lab}: {res['completed']} ok, {res['failed']} failed, computed prefill "
                   f"{res['computed_prefill_tokens']} of {res['prompt_tokens']} prompt tokens, "
                   f"{res['output_throughput']:.1f} out tok/s", flush=True)
-    summary = {}
+    summary: dict[str, dict[str, Any]] = {}
     for lab, rs in runs.items():
         s = summarize_runs(rs)
         s["computed_prefill_tokens"] = _median([x["computed_prefill_tokens"] for x in rs])
