@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.args import EngineArgs
+from pagedllm.bench.workload import WORKLOADS
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -40,7 +41,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _workload_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
     g = p.add_argument_group("workload (seeded; see pagedllm.bench.workload)")
-    g.add_argument("--workload", choices=["longtail", "fixed", "chat", "trace", "code"], default="longtail")
+    g.add_argument("--workload", choices=list(WORKLOADS), default="longtail")
     g.add_argument("--num-prompts", type=int, default=num_prompts)
     g.add_argument("--trace", default=None, help="JSONL trace for --workload trace")
     g.add_argument("--prompt-median", type=float, default=96.0, help="longtail: median prompt length")
@@ -49,9 +50,15 @@ def _workload_args(p: argparse.ArgumentParser, num_prompts: int) -> None:
     g.add_argument("--output-sigma", type=float, default=0.9, help="longtail: log-normal sigma")
     g.add_argument("--input-len", type=int, default=128, help="fixed: prompt length")
     g.add_argument("--output-len", type=int, default=128, help="fixed / chat: output length")
-    g.add_argument("--system-len", type=int, default=128, help="chat: shared system prompt length")
+    g.add_argument("--system-len", type=int, default=128,
+                   help="chat / multi-tenant: shared system prompt length")
     g.add_argument("--turns", type=int, default=4, help="chat: turns per conversation")
-    g.add_argument("--user-len", type=int, default=32, help="chat: tokens per user/assistant message")
+    g.add_argument("--user-len", type=int, default=32,
+                   help="chat: tokens per user/assistant message; multi-tenant: per question")
+    g.add_argument("--num-tenants", type=int, default=8, help="multi-tenant: system prompts")
+    g.add_argument("--users-per-tenant", type=int, default=None,
+                   help="multi-tenant: requests per system prompt (default: --num-prompts spread "
+                   "over the tenants)")
 
 
 def _spec_kwargs(a: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -59,7 +66,8 @@ def _spec_kwargs(a: argparse.Namespace, seed: int) -> dict[str, Any]:
                 prompt_median=a.prompt_median, prompt_sigma=a.prompt_sigma,
                 output_median=a.output_median, output_sigma=a.output_sigma,
                 input_len=a.input_len, output_len=a.output_len, system_len=a.system_len,
-                turns=a.turns, user_len=a.user_len)
+                turns=a.turns, user_len=a.user_len, num_tenants=a.num_tenants,
+                users_per_tenant=a.users_per_tenant)
 
 
 def _setup(a: argparse.Namespace) -> None:
@@ -327,7 +335,7 @@ def register(subparsers: Any) -> None:
         spec = WorkloadSpec(max_model_len=a.max_model_len or mcfg.max_position_embeddings,
                             **_spec_kwargs(a, a.seed))
         reqs = make_workload(spec, vocab_ids(tok, min(len(tok), mcfg.vocab_size)), tok)
-        if a.backends:
+        if a.backends or a.policies or a.serve_args:
             _show(run_serve_backends(a, model, reqs, tok, spec.describe()))
             return 0
         res = run_serve(a.base_url, reqs, a.request_rate, a.max_concurrency, a.served_model_name,

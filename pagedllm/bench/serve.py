@@ -238,27 +238,37 @@ def report_serve(res: dict[str, Any], output_dir: Path, output_json: Path | None
 def run_serve_backends(a: Any, model: str, reqs: list[BenchRequest], tokenizer: Any,
                        workload: dict[str, Any]) -> list[Path]:
     """``bench serve --backends``: each server started, driven by ``run_serve`` with the same
-    requests and arrivals, stopped (``serve_backends``); a side-by-side table and JSON."""
+    requests and arrivals, stopped (``serve_backends``); a side-by-side table and JSON. With
+    ``--policies`` / ``--serve-args``: the pagedllm server once per flag set (``serve_sets``)."""
     from pagedllm.bench.serve_backends import format_backends, run_backends, settings_from
+    from pagedllm.bench.serve_sets import format_sets, run_sets, serve_sets
 
     def drive(base_url: str) -> dict[str, Any]:
         return run_serve(base_url, reqs, a.request_rate, a.max_concurrency, None, a.slo_ttft_ms,
                          a.slo_tpot_ms, a.slo_e2e_ms, a.prompt_format, a.seed, a.timeout,
                          tokenizer, a.use_trace_arrivals)
 
-    backends = [b.strip() for b in a.backends.split(",") if b.strip()]
-    res = run_backends(backends, settings_from(a, model), a.rounds, drive, a.vllm_python,
-                       a.start_timeout)
+    if a.policies or a.serve_args:
+        if a.backends:
+            raise ValueError("--backends and --policies / --serve-args: pick one comparison")
+        res = run_sets(serve_sets(a), settings_from(a, model), a.rounds, drive, a.start_timeout)
+        name, show = "serve_sets.json", format_sets
+    else:
+        backends = [b.strip() for b in a.backends.split(",") if b.strip()]
+        res = run_backends(backends, settings_from(a, model), a.rounds, drive, a.vllm_python,
+                           a.start_timeout)
+        name, show = "serve_backends.json", format_backends
     res["workload"] = workload
     res["request_rate"] = "inf" if math.isinf(a.request_rate) else a.request_rate
     res["machine"] = machine_info()
-    print(format_backends(res))
-    return [write_json(a.output_json or a.output_dir / "serve_backends.json", res)]
+    print(show(res))
+    return [write_json(a.output_json or a.output_dir / name, res)]
 
 
 def add_cli_args(p: Any) -> None:
     """``bench serve``'s own flags (the workload's and the output's are bench/cli.py's)."""
     from pagedllm.bench.serve_backends import add_backend_args
+    from pagedllm.bench.serve_sets import add_set_args
 
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--request-rate", type=float, default=math.inf,
@@ -280,3 +290,4 @@ def add_cli_args(p: Any) -> None:
                    help="cap prompt+output length (default: the model's max_position_embeddings)")
     p.add_argument("--seed", type=int, default=0)
     add_backend_args(p)
+    add_set_args(p)

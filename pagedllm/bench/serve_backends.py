@@ -154,7 +154,7 @@ def run_backends(backends: list[str], settings: ServerSettings, rounds: int,
             print(f"  {b}: {res['completed']} ok, {res['failed']} failed, "
                   f"{res['output_throughput']:.1f} out tok/s, TPOT mean "
                   f"{res['tpot_ms'].get('mean', math.nan):.1f} ms", flush=True)
-    summary = {b: _summarize(rs) for b, rs in runs.items()}
+    summary = {b: summarize_runs(rs) for b, rs in runs.items()}
     ref = backends[-1]
     for b in backends:
         s, base_s = summary[b], summary[ref]
@@ -166,7 +166,8 @@ def run_backends(backends: list[str], settings: ServerSettings, rounds: int,
             "summary": summary, "runs": runs}
 
 
-def _summarize(rs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize_runs(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over rounds of ``run_serve`` results: throughput, TTFT, TPOT, E2E; failures summed."""
     def med(f: Callable[[dict[str, Any]], float]) -> float:
         vals = [f(r) for r in rs if not math.isnan(f(r))]
         return statistics.median(vals) if vals else math.nan

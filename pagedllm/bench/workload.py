@@ -19,6 +19,13 @@ synthetic tokens, so later turns hit the prefix cache.
 files (``code_prompts``), ``--output-len`` tokens each: text that repeats its own
 context, where speculative decoding's prompt lookup pays.
 
+``multi-tenant``: ``num_tenants`` system prompts of ``system_len`` tokens (one per tenant),
+each followed by the questions of ``users_per_tenant`` users (``user_len`` fresh tokens each,
+``output_len`` output tokens): ``num_tenants x users_per_tenant`` requests (default: ``num_prompts``
+spread over the tenants), in one seeded shuffle, so tenants interleave as in real traffic. What
+a data-parallel router can save: every replica a tenant's requests reach computes its system
+prompt once.
+
 ``trace``: JSONL lines ``{"prompt": str | "prompt_token_ids": [int], "max_tokens": int,
 "arrival_time": float?}`` (seconds from the start).
 """
@@ -32,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-WORKLOADS = ("longtail", "fixed", "chat", "trace", "code")
+WORKLOADS = ("longtail", "fixed", "chat", "trace", "code", "multi-tenant")
 
 
 @dataclass
@@ -66,6 +73,9 @@ class WorkloadSpec:
     system_len: int = 128
     turns: int = 4
     user_len: int = 32
+    # multi-tenant (system_len, user_len, output_len as chat's)
+    num_tenants: int = 8
+    users_per_tenant: int | None = None  # None: num_prompts spread over the tenants
     # trace
     trace: str | None = None
 
@@ -77,6 +87,8 @@ class WorkloadSpec:
             "chat": ("system_len", "turns", "user_len", "output_len"),
             "trace": ("trace",),
             "code": ("input_len", "output_len"),
+            "multi-tenant": ("num_tenants", "users_per_tenant", "system_len", "user_len",
+                             "output_len"),
         }[self.kind]
         return {k: d[k] for k in ("kind", "num_prompts", "seed", "max_model_len", *keep)}
 
@@ -118,6 +130,8 @@ def make_workload(spec: WorkloadSpec, vocab: list[int], tokenizer: Any = None) -
                 for _ in range(spec.num_prompts)]
     if spec.kind == "chat":
         return _chat(spec, rng, vocab)
+    if spec.kind == "multi-tenant":
+        return _multi_tenant(spec, rng, vocab)
     if spec.kind == "code":  # the shipped model's held-out source: text that repeats itself
         if tokenizer is None or spec.input_len + spec.output_len > limit:
             raise ValueError("--workload code needs a tokenizer and --input-len + --output-len "
@@ -152,6 +166,20 @@ def _chat(spec: WorkloadSpec, rng: random.Random, vocab: list[int]) -> list[Benc
             user = _tokens(crng, vocab, spec.user_len)
             out.append(BenchRequest(system + history + user, spec.output_len))
     return out
+
+
+def _multi_tenant(spec: WorkloadSpec, rng: random.Random, vocab: list[int]) -> list[BenchRequest]:
+    if spec.num_tenants < 1 or (spec.users_per_tenant or 1) < 1:
+        raise ValueError("--num-tenants and --users-per-tenant must be >= 1")
+    if spec.system_len + spec.user_len + spec.output_len > spec.max_model_len:
+        raise ValueError(f"--system-len + --user-len + --output-len exceed max_model_len="
+                         f"{spec.max_model_len}")
+    users = spec.users_per_tenant or -(-spec.num_prompts // spec.num_tenants)
+    systems = [_tokens(rng, vocab, spec.system_len) for _ in range(spec.num_tenants)]
+    out = [BenchRequest(s + _tokens(rng, vocab, spec.user_len), spec.output_len)
+           for s in systems for _ in range(users)]
+    rng.shuffle(out)
+    return out if spec.users_per_tenant else out[:spec.num_prompts]
 
 
 def load_trace(path: str | Path, tokenizer: Any = None, limit: int | None = None) -> list[BenchRequest]:

@@ -59,6 +59,9 @@ def register(subparsers: Any) -> None:
     g.add_argument("--compare-reps", type=int, default=1, help="real runs for --compare")
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for --compare (default: the profile's)")
+    g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="also predict N replicas (a round-robin split of the workload, cores/N "
+                   "threads each) beside one engine; see pagedllm.planner.dp")
     g.add_argument("--output-json", type=Path, default=None, metavar="FILE")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=cmd_plan)
@@ -137,6 +140,9 @@ def _replay(a: argparse.Namespace, args: EngineArgs) -> int:
                          "FILE (from `pagedllm plan calibrate`)")
     if a.find_max_rate and not slo.active:
         raise ValueError("--find-max-rate needs a target: --slo-ttft-p99 and/or --slo-tpot")
+    if a.data_parallel_size > 1 and (a.sweep or a.find_max_rate or a.compare):
+        raise ValueError("--data-parallel-size goes with one setting: not with --sweep, "
+                         "--find-max-rate or --compare")
     if a.request_rate is not None and not a.request_rate > 0:
         raise ValueError(f"--request-rate={a.request_rate} must be > 0")
     kw = dataclasses.asdict(args)
@@ -186,6 +192,8 @@ def _replay(a: argparse.Namespace, args: EngineArgs) -> int:
             mr = rows[0].get("max_rate_rps")
             print(f"max request rate meeting {slo.describe()}: "
                   + ("none" if mr is None else f"{mr:.3g} req/s"))
+    if a.data_parallel_size > 1:
+        doc["data_parallel"] = _replicas(a, reqs, cfg, profile)
     if a.compare:
         from pagedllm.planner.compare import compare, report_compare
 
@@ -195,6 +203,19 @@ def _replay(a: argparse.Namespace, args: EngineArgs) -> int:
     if a.output_json:
         print(f"wrote {write_json(a.output_json, doc)}")
     return 0
+
+
+def _replicas(a: argparse.Namespace, reqs: list[Any], cfg: Any, profile: Any) -> dict[str, Any]:
+    """``--data-parallel-size N``: N round-robin replicas beside one engine, printed."""
+    from pagedllm.bench.workload import poisson_arrivals
+    from pagedllm.planner.dp import format_replicas, plan_replicas
+
+    arrivals = (None if a.request_rate is None
+                else poisson_arrivals(len(reqs), a.request_rate, a.seed))
+    res = plan_replicas(reqs, cfg, profile, a.data_parallel_size, arrivals)
+    for line in format_replicas(res):
+        print(line)
+    return res
 
 
 def _arrivals(a: argparse.Namespace, reqs: list[Any]) -> str:
