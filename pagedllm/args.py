@@ -9,7 +9,7 @@ frozen configs also carry are read from them, so each is written in one place.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -159,9 +159,12 @@ class EngineArgs:
         return cls(**{aliases.get(k, k): v for k, v in kwargs.items()})
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Every field as a flag, plus ``--config FILE.yaml``."""
-        add_flags(parser, EngineArgs, GROUP_TITLES)
+    def add_cli_args(parser: argparse.ArgumentParser, only: Collection[str] | None = None) -> None:
+        """Every field as a flag, plus ``--config FILE.yaml``; ``only``: just those fields' flags
+        (a command that uses a few engine settings takes them from here, never re-declared)."""
+        add_flags(parser, EngineArgs, GROUP_TITLES, only)
+        if only is not None:
+            return
         parser.add_argument("--config", default=None, metavar="FILE",
                             help="YAML file of flag values (keys: flag names, dashes or "
                             "underscores); the command line wins over the file, the file over "

@@ -19,11 +19,15 @@ and the ratio on/off of each rate, with the greedy outputs compared token for to
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import random
 import time
 from pathlib import Path
 from typing import Any
 
+from pagedllm.args import EngineArgs
+from pagedllm.bench.command import add_output_args, engine_kwargs, int_list, prepare, show
 from pagedllm.bench.harness import interleaved, timing
 from pagedllm.bench.report import format_table, machine_info, plot, write_json
 from pagedllm.bench.workload import code_prompts
@@ -34,6 +38,39 @@ DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_m
                 "prompt_lookup_min": 1}
 COLUMNS = ("batch", "speculation", "output_tokens_per_s", "decode_tokens_per_s", "ratio_output",
            "ratio_decode", "acceptance_rate", "mean_accepted_length")
+
+
+COMMAND = "latency"
+HELP = "single-request and small-batch decode speed, speculative decoding on vs off, interleaved"
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-sizes", type=int_list, default=(1, 4, 16))
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3, help="repetitions per engine (the fastest is reported)")
+    p.add_argument("--random-prompts", action="store_true",
+                   help="seeded random token ids instead of held-out code (nothing repeats)")
+    add_output_args(p)
+    EngineArgs.add_cli_args(p)
+
+
+def run(a: argparse.Namespace) -> int:
+    from pagedllm.bench.workload import engine_config
+    from pagedllm.tokenizer import get_tokenizer
+
+    prepare(a)
+    kw = engine_kwargs(a)
+    cfg = engine_config(kw)
+    n = max(a.batch_sizes)
+    if a.random_prompts:
+        prompts = random_prompts(cfg.model.vocab_size, n, a.prompt_len, a.seed)
+    else:
+        prompts = code_prompts(get_tokenizer(cfg.tokenizer), n, a.prompt_len)
+    spec = cfg.speculative
+    spec_dict = dataclasses.asdict(spec) if spec is not None else None
+    res = run_latency(prompts, kw, spec_dict, tuple(a.batch_sizes), a.output_len, a.reps)
+    return show(report_latency(res, a.output_dir, a.output_json, a.plot))
 
 
 def random_prompts(vocab_size: int, n: int, prompt_len: int, seed: int) -> list[list[int]]:

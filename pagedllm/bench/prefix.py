@@ -22,12 +22,14 @@ Reported per engine:
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from pagedllm.bench.command import add_workload_command_args, show, workload
 from pagedllm.bench.harness import interleaved, timing
 from pagedllm.bench.report import (
     format_table,
@@ -36,10 +38,29 @@ from pagedllm.bench.report import (
     plot,
     write_json,
 )
-from pagedllm.bench.workload import BenchRequest, WorkloadSpec, poisson_arrivals, summarize
+from pagedllm.bench.workload import BenchRequest, WorkloadSpec, summarize
 
 COLUMNS = ("prefix_caching", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "computed_prompt_tokens",
            "prompt_tokens", "prefix_cache_hit_rate", "requests_per_s", "output_tokens_per_s")
+
+
+COMMAND = "prefix"
+HELP = ("time to first token with prefix caching on vs off on a shared-system-prompt (chat) "
+        "workload, interleaved")
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reps", type=int, default=3, help="repetitions per setting (TTFT pooled, "
+                   "fastest for throughput)")
+    p.add_argument("--warmup", type=int, default=4, help="requests in each engine's warm-up run")
+    add_workload_command_args(p, 32, arrivals=True)
+    p.set_defaults(kind="chat", request_rate=math.inf)
+
+
+def run(a: argparse.Namespace) -> int:
+    kw, spec, reqs, _ = workload(a)
+    return show(report_prefix(run_prefix(reqs, spec, kw, a.reps, a.warmup), a.output_dir,
+                              a.output_json, a.plot))
 
 
 class _Engine:
@@ -98,12 +119,11 @@ def run_prefix(
     spec: WorkloadSpec,
     engine_kwargs: dict[str, Any],
     reps: int = 3,
-    request_rate: float = math.inf,
     warmup: int = 4,
-    seed: int = 0,
 ) -> dict[str, Any]:
+    """Arrivals: ``spec.arrivals`` (``--request-rate``; inf, the default: all at t0)."""
     engines = [_Engine(engine_kwargs, True), _Engine(engine_kwargs, False)]
-    arrivals = poisson_arrivals(len(reqs), request_rate, seed)
+    arrivals = spec.arrivals(reqs)
     warm = (lambda e: e.run(reqs[:warmup], [0.0] * min(warmup, len(reqs)))) if warmup else None
     runs = dict(zip((True, False), interleaved(engines, lambda e: e.run(reqs, arrivals), reps, warm)))
 
@@ -144,7 +164,7 @@ def run_prefix(
         },
         "greedy_output_agreement": agree / len(reqs) if reqs else 1.0,
         "reps": reps,
-        "request_rate": request_rate,
+        "request_rate": spec.request_rate,
         "order": "interleaved: rep r runs the engines rotated by r",
         "workload": {**spec.describe(), **summarize(reqs)},
         "engine": {k: v for k, v in engine_kwargs.items()

@@ -114,12 +114,18 @@ def build_random_model(out: str | Path, preset: str = "100m", tokenizer: str | N
     return sum(p.numel() for p in model.parameters())
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
+COMMAND = "random-model"
+HELP = "write a random-weight Llama checkpoint (presets: 100m, 1b, tiny)"
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    from pagedllm.config import SUPPORTED_DTYPES
+
     p.add_argument("out", type=Path, help="output checkpoint directory")
     p.add_argument("--preset", choices=sorted(PRESETS), default="100m")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the shipped model)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+    p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default=None,
                    help="storage dtype (default: bfloat16 for 1b, float32 otherwise)")
     p.add_argument("--device", default="cpu",
                    help="where the random init runs (cuda is much faster for 1b); saved from CPU")
@@ -128,7 +134,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    """The command for parsed ``add_args`` flags (``pagedllm bench random-model`` and ``main``)."""
+    """The command for parsed ``add_cli_args`` flags (``pagedllm bench random-model`` and ``main``)."""
     n = build_random_model(a.out, a.preset, a.tokenizer, a.seed, a.dtype, a.device,
                            a.sliding_window)
     arch = "" if a.sliding_window is None else f", Mistral with sliding window {a.sliding_window}"
@@ -138,7 +144,7 @@ def run(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(p)
+    add_cli_args(p)
     return run(p.parse_args(argv))
 
 
