@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 SUBCOMMANDS = ("throughput", "prefix", "latency", "memory", "block_size", "linear", "kernel",
-               "serve", "random_model", "soak", "quant_eval")
+               "serve", "random_model", "soak", "quant_eval", "tp")
 
 
 def register(subparsers: Any) -> None:

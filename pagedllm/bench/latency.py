@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from pagedllm.args import EngineArgs
 from pagedllm.bench.command import add_output_args, engine_kwargs, int_list, prepare, show
 from pagedllm.bench.harness import interleaved, timing
 from pagedllm.bench.report import format_table, machine_info, plot, write_json
-from pagedllm.bench.workload import code_prompts
+from pagedllm.bench.workload import BenchRequest, code_prompts, submissions
 
 __all__ = ["code_prompts", "random_prompts", "report_latency", "run_latency"]
 
@@ -86,30 +85,19 @@ class _Engine:
         self.engine = LLMEngine.from_args(**{**engine_kwargs, "speculative_config": spec})
 
     def run(self, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
-        from pagedllm.sampling_params import SamplingParams
+        from pagedllm.engine.drive import drive
 
         eng = self.engine
         eng.kv.reset_prefix_cache()  # a repetition must not hit the previous one's blocks
         before = eng.kv_stats()
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-        t0 = time.perf_counter()
-        for i, p in enumerate(prompts):
-            eng.add_request(f"l{i}", {"prompt_token_ids": p}, params)
-        outputs: dict[int, list[int]] = {}
-        first: dict[int, float] = {}
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                i = int(o.request_id[1:])
-                if i not in first and o.outputs and o.outputs[0].token_ids:
-                    first[i] = time.perf_counter()
-                if o.finished:
-                    outputs[i] = list(o.outputs[0].token_ids)
-        end = time.perf_counter()
+        subs = submissions(eng, [BenchRequest(p, output_len) for p in prompts], prefix="l")
+        res = drive(eng, subs)
         after = eng.kv_stats()
         counts = {k: after[f"spec_decode_{k}"] - before[f"spec_decode_{k}"]
                   for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-        return {"elapsed_s": end - t0, "decode_s": end - max(first.values()),
-                "outputs": [outputs[i] for i in range(len(prompts))], **counts}
+        return {"elapsed_s": res.elapsed, "decode_s": res.elapsed - max(res.first_token.values()),
+                "outputs": [list(o.outputs[0].token_ids)
+                            for o in res.in_order([r.request_id for r in subs])], **counts}
 
 
 def run_latency(prompts: list[list[int]], engine_kwargs: dict[str, Any],

@@ -6,9 +6,9 @@ False, warms both up, then runs the workload ``reps`` times per engine, interlea
 within the run (the ``chat`` workload: one shared system prompt, and multi-turn histories).
 
 Requests arrive all at t0 (``request_rate=inf``, the default) or by a seeded Poisson process;
-the offline loop adds each request once its arrival time has passed, with
-``arrival_time`` = that moment, so TTFT = ``metrics.first_token_time - metrics.arrival_time``
-includes queueing. Blocks become cacheable only after the step that computed them, so requests
+the offline loop (``engine.drive``) adds each request once its arrival time has passed, so TTFT
+= the return of the step that made its first token - the moment it was added: queueing
+included. Blocks become cacheable only after the step that computed them, so requests
 admitted in the same step as the first holder of a prefix miss it: a hit needs staggered
 arrivals or a workload larger than one step's token budget (``max_num_batched_tokens``).
 Reported per engine:
@@ -38,7 +38,7 @@ from pagedllm.bench.report import (
     plot,
     write_json,
 )
-from pagedllm.bench.workload import BenchRequest, WorkloadSpec, summarize
+from pagedllm.bench.workload import BenchRequest, WorkloadSpec, submissions, summarize
 
 COLUMNS = ("prefix_caching", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "computed_prompt_tokens",
            "prompt_tokens", "prefix_cache_hit_rate", "requests_per_s", "output_tokens_per_s")
@@ -71,44 +71,25 @@ class _Engine:
         self.engine = LLMEngine.from_args(**{**engine_kwargs, "enable_prefix_caching": caching})
 
     def run(self, reqs: list[BenchRequest], arrivals: list[float]) -> dict[str, Any]:
-        from pagedllm.sampling_params import SamplingParams
+        from pagedllm.engine.drive import Clock, drive
 
         eng = self.engine
         eng.kv.reset_prefix_cache()  # a repetition must not hit the previous one's blocks
         eng.kv.stats.reset()
-        prefill_tokens = 0  # prompt positions sent to the model (the steps' records)
         preempted_before = eng.num_preemptions
-        order = sorted(range(len(reqs)), key=lambda i: arrivals[i])
-        ttft: dict[int, float] = {}
-        outputs: dict[int, list[int]] = {}
-        nxt = 0
-        t0 = time.monotonic()
-        while nxt < len(order) or eng.has_unfinished_requests():
-            now = time.monotonic()
-            while nxt < len(order) and t0 + arrivals[order[nxt]] <= now:
-                i = order[nxt]
-                r = reqs[i]
-                eng.add_request(f"p{i}", {"prompt_token_ids": r.prompt_token_ids},
-                                SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
-                                               ignore_eos=True), arrival_time=now)
-                nxt += 1
-            if not eng.has_unfinished_requests():
-                time.sleep(max(0.0, t0 + arrivals[order[nxt]] - time.monotonic()))
-                continue
-            for o in eng.step():
-                i = int(o.request_id[1:])
-                m = o.metrics
-                if i not in ttft and m is not None and m.first_token_time is not None:
-                    ttft[i] = m.first_token_time - m.arrival_time
-                if o.finished:
-                    outputs[i] = list(o.outputs[0].token_ids)
-            prefill_tokens += eng.stats.num_prefill_tokens
-        elapsed = time.monotonic() - t0
+        prefill_tokens = [0]  # prompt positions sent to the model (the steps' records)
+
+        def on_step(outs: list[Any]) -> None:
+            prefill_tokens[0] += eng.stats.num_prefill_tokens
+
+        subs = submissions(eng, reqs, arrivals, prefix="p")
+        res = drive(eng, subs, Clock(time.monotonic), on_step)
+        ids = [r.request_id for r in subs]
         return {
-            "elapsed_s": elapsed,
-            "ttft_s": [ttft[i] for i in range(len(reqs))],
-            "outputs": [outputs[i] for i in range(len(reqs))],
-            "computed_prompt_tokens": prefill_tokens,
+            "elapsed_s": res.elapsed,
+            "ttft_s": [res.first_token[i] - res.added[i] for i in ids],
+            "outputs": [list(o.outputs[0].token_ids) for o in res.in_order(ids)],
+            "computed_prompt_tokens": prefill_tokens[0],
             "hit_rate": eng.kv.stats.hit_rate,
             "num_preemptions": eng.num_preemptions - preempted_before,
         }

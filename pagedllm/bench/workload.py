@@ -30,6 +30,7 @@ import json
 import math
 import random
 from dataclasses import asdict, dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -101,11 +102,7 @@ class WorkloadSpec:
         return {**kw, "seed": ns.seed}
 
     def arrivals(self, reqs: list[BenchRequest]) -> list[float]:
-        """Arrival times (s from the start) of ``reqs``: Poisson at ``request_rate`` (inf: all
-        at 0), else each request's ``arrival_time`` (a trace's), else 0."""
-        if self.request_rate is None:
-            return [r.arrival_time or 0.0 for r in reqs]
-        return poisson_arrivals(len(reqs), self.request_rate, self.seed)
+        return arrivals(reqs, self.request_rate, self.seed)
 
     def describe(self) -> dict[str, Any]:
         d = asdict(self)
@@ -230,6 +227,30 @@ def code_prompts(tokenizer: Any, n: int, prompt_len: int) -> list[list[int]]:
     if not out:
         raise ValueError(f"no held-out file has --prompt-len {prompt_len} tokens; lower it")
     return [out[i % len(out)] for i in range(n)]
+
+
+def submissions(engine: Any, reqs: list[BenchRequest], arrivals: list[float] | None = None,
+                prefix: str = "w", **params: Any) -> list[Any]:
+    """``reqs`` as requests for ``drive``: greedy, ``ignore_eos`` (outputs of exactly
+    ``max_tokens``), ids ``{prefix}{index}``, arriving at ``arrivals`` (default: all at once);
+    ``params``: more ``SamplingParams`` fields."""
+    from pagedllm.engine.drive import Submission
+    from pagedllm.sampling_params import SamplingParams
+
+    at = arrivals or [0.0] * len(reqs)
+    return [Submission(f"{prefix}{i}", partial(
+        engine.add_request, prompt={"prompt_token_ids": r.prompt_token_ids},
+        params=SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True,
+                              **params)), at[i])
+        for i, r in enumerate(reqs)]
+
+
+def arrivals(reqs: list[BenchRequest], rate: float | None, seed: int) -> list[float]:
+    """Arrival times (s from the start) of ``reqs``: Poisson at ``rate`` requests/s (inf: all
+    at 0), or with ``rate`` None each request's ``arrival_time`` (a trace's), else 0."""
+    if rate is None:
+        return [r.arrival_time or 0.0 for r in reqs]
+    return poisson_arrivals(len(reqs), rate, seed)
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
