@@ -1,5 +1,6 @@
 """The package's shape: no import circle (every import counts, under TYPE_CHECKING and inside
-functions too), no mixin classes, no file over 400 lines outside attention/triton/."""
+functions too), no mixin classes, no file over 400 lines outside attention/triton/, no function
+over 80 lines (Triton kernels aside)."""
 
 from __future__ import annotations
 
@@ -121,6 +122,40 @@ def test_no_file_over_400_lines() -> None:
             if "attention/triton" not in p.as_posix()
             and (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def _long_functions(path: Path) -> list[tuple[str, int]]:
+    """(name, lines) of each function in ``path`` longer than ``MAX_FUNCTION_LINES``, decorators
+    and docstring included; Triton kernels (``@triton.jit``: one GPU program, split only at a
+    cost) aside."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if any("jit" in ast.unparse(d) for d in node.decorator_list):
+            continue
+        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        n = (node.end_lineno or node.lineno) - first + 1
+        if n > MAX_FUNCTION_LINES:
+            out.append((node.name, n))
+    return out
+
+
+def test_no_function_over_80_lines() -> None:
+    long = {f"{p.relative_to(PKG.parent)}:{name}": n for p in PKG.rglob("*.py")
+            for name, n in _long_functions(p)}
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them): {long}"
+
+
+def test_the_length_check_counts_lines(tmp_path: Path) -> None:
+    f = tmp_path / "m.py"
+    body = "".join(f"    x{i} = {i}\n" for i in range(80))
+    f.write_text(f"def long():\n{body}\ndef short():\n    pass\n\n@triton.jit\n"
+                 f"def kernel():\n{body}")
+    assert _long_functions(f) == [("long", 81)]
 
 
 # What the server may know of the engine: the client and its plain-data messages, the records
