@@ -31,6 +31,8 @@ import os
 import sys
 import time
 
+from pagedllm import envs
+
 SPIN_COUNT = 30000
 QUIET_BUSY_CORES = 0.3
 SAMPLE_S = 0.05
@@ -81,7 +83,7 @@ SET_BY_PAGEDLLM: str | None = None
 CHOICE: str | None = None
 if ("torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ
         and "GOMP_SPINCOUNT" not in os.environ):
-    _mode = os.environ.get("PAGEDLLM_OMP_WAIT", "auto").strip().lower()
+    _mode = envs.get("PAGEDLLM_OMP_WAIT") or "auto"
     _setting, _why = choose(_mode, busy_cores() if _mode == "auto" else None)
     SET_BY_PAGEDLLM, _, _value = _setting.partition("=")
     os.environ[SET_BY_PAGEDLLM] = _value

@@ -80,6 +80,10 @@ def test_generated_sections_render_from_the_code() -> None:
                     "pagedllm plan"):
         assert f"`{command}`" in cli, command
     assert "--kv-cache-memory" in cli and str(ROOT) not in cli
+    from pagedllm.envs import ENV_VARS
+
+    env = rendered[DOCS / "reference" / "environment.md"]
+    assert re.findall(r"^\| `(PAGEDLLM_[A-Z_]+)` \|", env, re.M) == [v.name for v in ENV_VARS]
 
 
 def test_bench_tables_come_from_the_json(tmp_path: Path) -> None:

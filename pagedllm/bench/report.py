@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedllm import envs
+
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str],
                  headers: Sequence[str] | None = None) -> str:
@@ -42,7 +44,7 @@ def machine_info() -> dict[str, Any]:
     info["cpu_model"] = kernels.cpu_model()
     info["cpu_flags"] = " ".join(sorted(kernels.cpu_flags()))
     try:  # the ISA the CPU kernels are (or would be) built for: PAGEDLLM_ISA or this CPU's best
-        info["pagedllm_isa"] = kernels.choose_isa(os.environ.get("PAGEDLLM_ISA", "auto"),
+        info["pagedllm_isa"] = kernels.choose_isa(envs.get("PAGEDLLM_ISA") or "auto",
                                                   kernels.cpu_flags())
     except ValueError as e:
         info["pagedllm_isa"] = str(e)

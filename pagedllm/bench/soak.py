@@ -267,7 +267,7 @@ def run_soak(model: str | None, num_requests: int, time_limit: float | None, con
     output_dir.mkdir(parents=True, exist_ok=True)
     args = [*([model] if model else []), "--num-kv-blocks", str(num_kv_blocks), "--log-level",
             "warning", *serve_args]
-    env = {**os.environ, "PAGEDLLM_LOG_LEVEL": os.environ.get("PAGEDLLM_LOG_LEVEL", "WARNING")}
+    env = {"PAGEDLLM_LOG_LEVEL": "WARNING", **os.environ}  # the user's level, else warnings only
     with open(output_dir / "soak-server.log", "w") as log, \
             serve_subprocess(args, log=log, env=env) as (proc, base):
         t0 = time.monotonic()

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from pagedllm import _hugepages, _openmp
+from pagedllm import _hugepages, _openmp, envs
 from pagedllm.bench.baselines import RunResult
 from pagedllm.bench.vllm_worker import proc_stats
 from pagedllm.bench.workload import BenchRequest
@@ -59,8 +59,9 @@ def find_vllm_python(explicit: str | None = None) -> str | None:
     """``explicit``, else ``$PAGEDLLM_VLLM_PYTHON``, else this Python when it can import vllm."""
     import importlib.util
 
-    if explicit or os.environ.get("PAGEDLLM_VLLM_PYTHON"):
-        return explicit or os.environ["PAGEDLLM_VLLM_PYTHON"]
+    found = explicit or envs.get("PAGEDLLM_VLLM_PYTHON")
+    if found:
+        return found
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
 

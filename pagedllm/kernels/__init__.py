@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm import envs
 from pagedllm.logging_utils import init_logger
 
 logger = init_logger(__name__)
@@ -64,7 +65,7 @@ _state: dict[str, object] = {}  # "loaded": bool, "error": str | None, "path": P
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR")
+    root = envs.get("PAGEDLLM_CACHE_DIR")
     if root:
         return Path(root)
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -116,7 +117,7 @@ def choose_isa(setting: str, flags: frozenset[str]) -> str:
 
 
 def _isa() -> str:
-    return choose_isa(os.environ.get("PAGEDLLM_ISA", "auto"), cpu_flags())
+    return choose_isa(envs.get("PAGEDLLM_ISA") or "auto", cpu_flags())
 
 
 def _flags() -> tuple[str, ...]:
@@ -192,7 +193,7 @@ def available() -> bool:
     if "loaded" in _state:
         return bool(_state["loaded"])
     _state["loaded"], _state["error"] = False, None
-    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+    if not envs.is_on("PAGEDLLM_CPU_KERNELS"):
         _state["error"] = "switched off by PAGEDLLM_CPU_KERNELS=0"
         return False
     isa_ = _state["isa"] = _isa()  # a bad PAGEDLLM_ISA raises here, before any build
@@ -210,7 +211,7 @@ def available() -> bool:
         return False
     _state["loaded"], _state["path"] = True, lib
     logger.info("pagedllm CPU kernels: %s (PAGEDLLM_ISA=%s, CPU %s)", isa_,
-                os.environ.get("PAGEDLLM_ISA", "auto"), cpu_model())
+                envs.get("PAGEDLLM_ISA"), cpu_model())
     return True
 
 
