@@ -55,7 +55,7 @@ from pagedllm.bench.device import (
 from pagedllm.bench.harness import interleaved
 from pagedllm.bench.kernel_case import Case, case
 from pagedllm.bench.report import machine_info, targets
-from pagedllm.config import SUPPORTED_DTYPES as DTYPES
+from pagedllm.choices import SUPPORTED_DTYPES as DTYPES
 from pagedllm.config import normalize_dtype
 
 BANDWIDTH_TARGET = 0.70  # decode KV bandwidth / spec peak at the longest context (issue 8)

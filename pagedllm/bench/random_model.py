@@ -23,6 +23,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from pagedllm.choices import SUPPORTED_DTYPES
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Llama-3.2-1B's body (hidden 2048, 16 layers, 32 q / 8 kv heads of 64, MLP 8192) with the
     # 4096-token vocab: 16 x (attention 10.49M + MLP 50.33M) + 2 x 4096 x 2048 ~= 0.99B
@@ -78,8 +80,8 @@ def build_random_model(out: str | Path, preset: str = "100m", tokenizer: str | N
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     dtype = dtype or PRESET_DTYPES.get(preset, "float32")
-    if dtype not in ("float32", "float16", "bfloat16"):
-        raise ValueError(f"dtype {dtype!r}: choose float32, float16 or bfloat16")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose {', '.join(SUPPORTED_DTYPES)}")
     tok_dir = Path(tokenizer or default_model_path())
     tok = get_tokenizer(str(tok_dir))
     out = Path(out)
@@ -119,7 +121,6 @@ HELP = "write a random-weight Llama checkpoint (presets: 100m, 1b, tiny)"
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    from pagedllm.config import SUPPORTED_DTYPES
 
     p.add_argument("out", type=Path, help="output checkpoint directory")
     p.add_argument("--preset", choices=sorted(PRESETS), default="100m")

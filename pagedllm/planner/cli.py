@@ -27,6 +27,7 @@ TIMED = {"output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p90_s", "t
 
 def register(subparsers: Any) -> None:
     from pagedllm.bench.workload import WorkloadSpec
+    from pagedllm.planner.calibrate import CLOCKS
 
     p = subparsers.add_parser(
         "plan", allow_abbrev=False, help="size the KV pool; with --trace / --workload, replay it through the "
@@ -73,7 +74,7 @@ def register(subparsers: Any) -> None:
                    help="stop adding grid cells after this many seconds on --clock "
                    "(default: 300)")
     c.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    c.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+    c.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                    help="wall: seconds as they pass (default); cpu: the process's CPU seconds, "
                    "what a step costs on a dedicated core (reproducible on a shared machine; "
                    "needs --threads 1)")

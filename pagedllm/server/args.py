@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from pagedllm.choices import TOOL_CALL_PARSERS
 from pagedllm.flags import add_flags, from_namespace, setting
 
 S = "server"
@@ -52,7 +53,7 @@ class ServerArgs:
     tool_call_parser: str | None = setting(
         None, "read tool calls out of the text for tool_choice 'auto': hermes "
         "(<tool_call>{json}</tool_call>) or llama3_json", group=S,
-        choices=("hermes", "llama3_json"))
+        choices=TOOL_CALL_PARSERS)
     chat_template: str | None = setting(
         None, "a Jinja chat template, FILE or the template text, instead of the tokenizer's",
         group=S)
