@@ -158,6 +158,21 @@ def test_the_length_check_counts_lines(tmp_path: Path) -> None:
     assert _long_functions(f) == [("long", 81)]
 
 
+def _proc_paths(path: Path) -> list[int]:
+    """Lines of string constants that start with ``/proc`` (a path to parse)."""
+    return [n.lineno for n in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and n.value.startswith("/proc")]
+
+
+def test_psutil_not_proc() -> None:
+    """CPU times, process trees, RSS come from psutil (load averages from os.getloadavg); only
+    the CPU's model and flags, which psutil does not give, are read from /proc (``_cpu.py``)."""
+    found = {str(p.relative_to(PKG.parent)): lines for p in PKG.rglob("*.py")
+             if p.name != "_cpu.py" and (lines := _proc_paths(p))}
+    assert not found, f"/proc parsed by hand (use psutil): {found}"
+
+
 # What the server may know of the engine: the client and its plain-data messages, the records
 # (StepStats) and outputs; never the scheduler, the KV manager, the runner or a live Request.
 SERVER_FORBIDDEN = ("pagedllm.engine.core", "pagedllm.engine.core_proc", "pagedllm.engine.snapshot",

@@ -56,12 +56,17 @@ def machine_info() -> dict[str, Any]:
         info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
-    try:
-        with open("/proc/loadavg") as f:
-            info["loadavg_at_start"] = f.read().split()[:3]
-    except OSError:
-        pass
+    if (load := loadavg()) is not None:
+        info["loadavg_at_start"] = load
     return info
+
+
+def loadavg() -> list[str] | None:
+    """The 1, 5 and 15 minute load averages, as /proc/loadavg writes them ("1.23")."""
+    try:
+        return [f"{x:.2f}" for x in os.getloadavg()]
+    except OSError:  # not available on this platform
+        return None
 
 
 def write_json(path: str | Path, obj: Any) -> Path:

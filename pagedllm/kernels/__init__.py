@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from pagedllm import envs
+from pagedllm._cpu import cpu_flags, cpu_model
 from pagedllm.logging_utils import init_logger
 
 logger = init_logger(__name__)
@@ -70,28 +71,6 @@ def cache_dir() -> Path:
         return Path(root)
     xdg = os.environ.get("XDG_CACHE_HOME")
     return Path(xdg) / "pagedllm" if xdg else Path.home() / ".cache" / "pagedllm"
-
-
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's "model name" and "flags" lines of /proc/cpuinfo ({} without it)."""
-    out: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("model name", "flags") and key.strip() not in out:
-                    out[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return out
-
-
-def cpu_model() -> str:
-    return _cpuinfo().get("model name", platform.processor() or platform.machine())
-
-
-def cpu_flags() -> frozenset[str]:
-    return frozenset(_cpuinfo().get("flags", "").split())
 
 
 def _cpu_id() -> str:

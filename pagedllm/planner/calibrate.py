@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedllm.args import EngineArgs
+from pagedllm.bench.report import loadavg
 from pagedllm.planner.cost import (
     Features,
     StepCostModel,
@@ -107,11 +108,8 @@ def calibrate(args: EngineArgs, reps: int = 3, max_seconds: float = 300.0,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "calibration_s": round(time.perf_counter() - t_start, 1)})
     f["num_dropped_cells"] = len(run.dropped)
-    try:
-        with open("/proc/loadavg") as fh:
-            profile.made_on["loadavg"] = fh.read().split()[:3]
-    except OSError:
-        pass
+    if (load := loadavg()) is not None:
+        profile.made_on["loadavg"] = load
     return profile
 
 
