@@ -5,8 +5,9 @@ One invocation builds two engines from the same kwargs, one without speculation 
 for each batch size b runs b requests at once (greedy, ``ignore_eos``, ``--output-len`` tokens)
 ``reps`` times per engine, interleaved (``bench.harness``). Each run starts with an empty prefix
 cache. The prompts are code: windows of ``--prompt-len`` tokens from the middle of the shipped
-model's held-out files (``bench.quant_eval.heldout_texts``), or seeded random ids with
-``--random-prompts`` (nothing repeats: the case where proposals are rarely right).
+model's held-out files (the ``code`` workload, ``bench.workload``), or seeded random ids with
+``--random-prompts`` (the ``fixed`` workload; nothing repeats: the case where proposals are
+rarely right).
 
 Reported per (batch, engine):
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import random
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from pagedllm.bench.harness import interleaved, timing
 from pagedllm.bench.report import format_table, machine_info, plot, write_json
 from pagedllm.bench.workload import BenchRequest, code_prompts, submissions
 
-__all__ = ["code_prompts", "random_prompts", "report_latency", "run_latency"]
+__all__ = ["code_prompts", "report_latency", "run_latency"]
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 1}
@@ -49,32 +49,25 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--reps", type=int, default=3, help="repetitions per engine (the fastest is reported)")
     p.add_argument("--random-prompts", action="store_true",
-                   help="seeded random token ids instead of held-out code (nothing repeats)")
+                   help="seeded random token ids (the fixed workload) instead of held-out code "
+                   "(nothing repeats)")
     add_output_args(p)
     EngineArgs.add_cli_args(p)
 
 
 def run(a: argparse.Namespace) -> int:
-    from pagedllm.bench.workload import engine_config
-    from pagedllm.tokenizer import get_tokenizer
+    from pagedllm.bench.workload import build_workload
 
     prepare(a)
     kw = engine_kwargs(a)
-    cfg = engine_config(kw)
-    n = max(a.batch_sizes)
-    if a.random_prompts:
-        prompts = random_prompts(cfg.model.vocab_size, n, a.prompt_len, a.seed)
-    else:
-        prompts = code_prompts(get_tokenizer(cfg.tokenizer), n, a.prompt_len)
+    _, reqs, cfg = build_workload(kw, dict(
+        kind="fixed" if a.random_prompts else "code", num_prompts=max(a.batch_sizes),
+        seed=a.seed, input_len=a.prompt_len, output_len=a.output_len))
+    prompts = [r.prompt_token_ids for r in reqs]
     spec = cfg.speculative
     spec_dict = dataclasses.asdict(spec) if spec is not None else None
     res = run_latency(prompts, kw, spec_dict, tuple(a.batch_sizes), a.output_len, a.reps)
     return show(report_latency(res, a.output_dir, a.output_json, a.plot))
-
-
-def random_prompts(vocab_size: int, n: int, prompt_len: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(4, vocab_size) for _ in range(prompt_len)] for _ in range(n)]
 
 
 class _Engine:

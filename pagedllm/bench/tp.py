@@ -3,10 +3,11 @@
     pagedllm bench tp [--model DIR] [--tp 1,2] [--num-prompts 8]
         [--prompt-len 64] [--max-tokens 32] [--json out.json]
 
-Every run uses the same token-id prompts and greedy decoding; after each step (``engine.drive``'s
-``on_step``) its all-reduce bytes/time and control bytes/time (rank 0's view) are recorded, split
-into steps with prefill tokens and pure decode steps (from the step's record). Sizes run
-interleaved, ``--reps`` times each (``bench.harness``), the fastest run reported. Threads: TP=1 uses every core; TP=N gives
+Every run uses the same prompts (the seeded ``fixed`` workload) and greedy decoding; after each
+step (``engine.drive``'s ``on_step``) its all-reduce bytes/time and control bytes/time (rank 0's
+view) are recorded, split into steps with prefill tokens and pure decode steps (from the step's
+record). Sizes run interleaved, ``--reps`` times each (``bench.harness``), the fastest run
+reported. Threads: TP=1 uses every core; TP=N gives
 each rank cores/N (rank 0 in this process, the workers likewise).
 
 Cost model of one step of T tokens on N ranks: 2 all-reduces per layer of a [T, hidden] tensor,
@@ -74,7 +75,7 @@ def run_tp(model: str, tp: int, num_prompts: int, prompt_len: int, max_tokens: i
     """``threads``: torch threads of rank 0 (default: cores / tp); workers use cores / tp."""
     import torch
 
-    from pagedllm.bench.workload import BenchRequest, submissions
+    from pagedllm.bench.workload import BenchRequest, WorkloadSpec, make_workload, submissions
     from pagedllm.engine import LLMEngine
     from pagedllm.engine.drive import drive
 
@@ -84,9 +85,12 @@ def run_tp(model: str, tp: int, num_prompts: int, prompt_len: int, max_tokens: i
     torch.set_num_threads(threads)
     engine = LLMEngine.from_args(model=model, tensor_parallel_size=tp, **engine_kwargs)
     try:
-        vocab = engine.config.model.vocab_size
-        prompts = [[(7 + 13 * i + 31 * j) % vocab for j in range(prompt_len)] for i in range(num_prompts)]
-        drive(engine, submissions(engine, [BenchRequest(prompts[0][:8], 2)], prefix="warmup"))
+        cfg = engine.config
+        reqs = make_workload(WorkloadSpec("fixed", num_prompts, max_model_len=cfg.scheduler.max_model_len,
+                                          input_len=prompt_len, output_len=max_tokens),
+                             list(range(cfg.model.vocab_size)))
+        drive(engine, submissions(engine, [BenchRequest(reqs[0].prompt_token_ids[:8], 2)],
+                                  prefix="warmup"))
         stats = getattr(engine.executor, "comm_stats", None)
         kinds = {"prefill": StepKind(), "decode": StepKind()}
         last: dict[str, Any] = asdict(stats) if stats is not None else {}  # the counters so far
@@ -105,7 +109,6 @@ def run_tp(model: str, tp: int, num_prompts: int, prompt_len: int, max_tokens: i
                     setattr(k, f, getattr(k, f) + now[f] - last[f])
                 last.update(now)
 
-        reqs = [BenchRequest(p, max_tokens) for p in prompts]
         wall = drive(engine, submissions(engine, reqs, prefix="b"), on_step=on_step).elapsed
         m = engine.config.model
         elem = m.dtype_bytes
