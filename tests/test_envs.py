@@ -64,7 +64,8 @@ def test_get_checks_values_and_falls_back_to_the_default() -> None:
     assert envs.get("PAGEDLLM_ISA", {"PAGEDLLM_ISA": ""}) == "auto"  # empty = unset
     with pytest.raises(ValueError, match=r"PAGEDLLM_ISA='sse': use auto, avx512 or avx2"):
         envs.get("PAGEDLLM_ISA", {"PAGEDLLM_ISA": "sse"})
-    assert envs.is_on("PAGEDLLM_THP", {}) and not envs.is_on("PAGEDLLM_THP", {"PAGEDLLM_THP": "off"})
+    assert envs.is_on("PAGEDLLM_THP", {})
+    assert not envs.is_on("PAGEDLLM_THP", {"PAGEDLLM_THP": "off"})
     with pytest.raises(ValueError, match="PAGEDLLM_THP='yes': use auto or 0"):
         envs.is_on("PAGEDLLM_THP", {"PAGEDLLM_THP": "yes"})
     assert envs.get("PAGEDLLM_API_KEY", {"PAGEDLLM_API_KEY": "K ey"}) == "K ey"  # text as given

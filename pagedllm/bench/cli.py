@@ -16,10 +16,12 @@ SUBCOMMANDS = ("throughput", "prefix", "latency", "memory", "block_size", "linea
 
 
 def register(subparsers: Any) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, memory, block size, kernel, serving")
+    bench = subparsers.add_parser(
+        "bench", help="benchmarks: throughput, memory, block size, kernel, serving")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     for name in SUBCOMMANDS:
         mod = importlib.import_module(f"pagedllm.bench.{name}")
-        p = sub.add_parser(mod.COMMAND, help=mod.HELP, description=getattr(mod, "DESCRIPTION", None))
+        p = sub.add_parser(mod.COMMAND, help=mod.HELP,
+                           description=getattr(mod, "DESCRIPTION", None))
         mod.add_cli_args(p)
         p.set_defaults(func=mod.run)

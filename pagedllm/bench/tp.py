@@ -86,9 +86,9 @@ def run_tp(model: str, tp: int, num_prompts: int, prompt_len: int, max_tokens: i
     engine = LLMEngine.from_args(model=model, tensor_parallel_size=tp, **engine_kwargs)
     try:
         cfg = engine.config
-        reqs = make_workload(WorkloadSpec("fixed", num_prompts, max_model_len=cfg.scheduler.max_model_len,
-                                          input_len=prompt_len, output_len=max_tokens),
-                             list(range(cfg.model.vocab_size)))
+        spec = WorkloadSpec("fixed", num_prompts, max_model_len=cfg.scheduler.max_model_len,
+                            input_len=prompt_len, output_len=max_tokens)
+        reqs = make_workload(spec, list(range(cfg.model.vocab_size)))
         drive(engine, submissions(engine, [BenchRequest(reqs[0].prompt_token_ids[:8], 2)],
                                   prefix="warmup"))
         stats = getattr(engine.executor, "comm_stats", None)

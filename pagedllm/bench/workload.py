@@ -229,15 +229,15 @@ def code_prompts(tokenizer: Any, n: int, prompt_len: int) -> list[list[int]]:
     return [out[i % len(out)] for i in range(n)]
 
 
-def submissions(engine: Any, reqs: list[BenchRequest], arrivals: list[float] | None = None,
+def submissions(engine: Any, reqs: list[BenchRequest], times: list[float] | None = None,
                 prefix: str = "w", **params: Any) -> list[Any]:
     """``reqs`` as requests for ``drive``: greedy, ``ignore_eos`` (outputs of exactly
-    ``max_tokens``), ids ``{prefix}{index}``, arriving at ``arrivals`` (default: all at once);
+    ``max_tokens``), ids ``{prefix}{index}``, arriving at ``times`` (default: all at once);
     ``params``: more ``SamplingParams`` fields."""
     from pagedllm.engine.drive import Submission
     from pagedllm.sampling_params import SamplingParams
 
-    at = arrivals or [0.0] * len(reqs)
+    at = times or [0.0] * len(reqs)
     return [Submission(f"{prefix}{i}", partial(
         engine.add_request, prompt={"prompt_token_ids": r.prompt_token_ids},
         params=SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True,

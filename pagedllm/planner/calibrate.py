@@ -214,9 +214,10 @@ class _Runner:
         from pagedllm.bench.workload import BenchRequest, submissions
 
         self.ids += 1
-        sub, = submissions(self.engine, [BenchRequest(tokens, max_tokens)], prefix=f"cal{self.ids}-")
+        (sub,) = submissions(self.engine, [BenchRequest(tokens, max_tokens)],
+                             prefix=f"cal{self.ids}-")
         self.added.append(sub.request_id)
-        sub.add(sub.request_id)
+        sub.add(sub.request_id)  # queued now: the cell times the step that takes it
         return sub.request_id
 
     def _step(self) -> tuple[Features, float]:
