@@ -90,7 +90,7 @@ def test_banned_tokens() -> None:
     "field,value",
     [("temperature", -1.0), ("top_p", 0.0), ("top_k", -5), ("min_p", 1.5), ("n", 0),
      ("max_tokens", 0), ("presence_penalty", 3.0), ("repetition_penalty", 0.0),
-     ("logprobs", 50), ("stop", [""])],
+     ("logprobs", -1), ("stop", [""])],
 )
 def test_invalid_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
