@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import logging
-
-from pagedllm import envs
+import os
 
 _ROOT = "pagedllm"
 
@@ -16,7 +15,7 @@ def _configure() -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
     root.addHandler(handler)
-    root.setLevel((envs.get("PAGEDLLM_LOG_LEVEL") or "info").upper())
+    root.setLevel(os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO").upper())
     root.propagate = False
 
 
