@@ -101,10 +101,6 @@ class LLMEngine:
         a change outside a step."""
         return self.core.stats
 
-    def engine_stats(self) -> list[tuple[int, StepStats]]:
-        """As ``EngineClient.engine_stats``: one engine core, index 0."""
-        return [(0, self.core.stats)]
-
     @property
     def kv_plan(self) -> KVPoolPlan:
         return self.core.kv_plan

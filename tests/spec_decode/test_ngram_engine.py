@@ -269,6 +269,7 @@ def test_abort_mid_speculation_returns_every_block(tiny_models: dict[str, Path],
 
 
 def test_metrics_count_drafts_and_accepts(tiny_models: dict[str, Path]) -> None:
+    from pagedllm.engine.client_inproc import InProcessClient
     from pagedllm.server.metrics import ServerMetrics
 
     llm = _llm(tiny_models, True)
@@ -285,11 +286,11 @@ def test_metrics_count_drafts_and_accepts(tiny_models: dict[str, Path]) -> None:
         1 + s["spec_decode_num_accepted_tokens"] / s["spec_decode_num_drafts"])
     # every output token is either accepted or the target's own, one of those per sampling row
     assert sum(st.num_generation_tokens for st in steps) == 4 * GREEDY.max_tokens
-    text = ServerMetrics(eng, "m").render().decode()
+    text = ServerMetrics(InProcessClient(eng), "m").render().decode()
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         assert f'pagedllm:spec_decode_{key}_total{{engine="0",model_name="m"}} {float(s["spec_decode_" + key])}' in text
     plain = _llm(tiny_models, False).engine
-    assert "spec_decode" not in ServerMetrics(plain, "m").render().decode()
+    assert "spec_decode" not in ServerMetrics(InProcessClient(plain), "m").render().decode()
     assert plain.spec is None and plain.kv_stats()["spec_decode_num_drafts"] == 0
 
 
