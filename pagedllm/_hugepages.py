@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import os
 
-from pagedllm._env import auto_or_off
+from pagedllm import envs
+from pagedllm.envs import auto_or_off
 
 VAR = "THP_MEM_ALLOC_ENABLE"
 SYSFS = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -53,8 +54,7 @@ def choose(setting: str, mode: str | None, user_value: str | None) -> tuple[bool
     return True, f"transparent_hugepage: {mode}"
 
 
-_on, _why = choose(os.environ.get("PAGEDLLM_THP", "auto").strip().lower(), thp_mode(),
-                   os.environ.get(VAR))
+_on, _why = choose(envs.get("PAGEDLLM_THP") or "auto", thp_mode(), os.environ.get(VAR))
 SET_BY_PAGEDLLM: str | None = VAR if _on else None  # as _openmp.SET_BY_PAGEDLLM: the name
 if SET_BY_PAGEDLLM:
     os.environ[VAR] = "1"

@@ -48,7 +48,8 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
-from pagedllm._env import auto_or_off
+from pagedllm import envs
+from pagedllm.envs import auto_or_off
 from pagedllm.logging_utils import init_logger
 
 logger = init_logger(__name__)
@@ -94,7 +95,7 @@ def keep_freed_memory(env: Mapping[str, str] | None = None) -> str:
     if _applied is None:
         env = os.environ if env is None else env
         libc = glibc()
-        on, why = choose(env.get("PAGEDLLM_MALLOC", "auto").strip().lower(), env, libc is not None)
+        on, why = choose(envs.get("PAGEDLLM_MALLOC", env) or "auto", env, libc is not None)
         if on and libc is not None:
             ok = (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
                   and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1)

@@ -14,7 +14,7 @@ region, with a little Python in between. Which policy pays depends on the machin
   1.51x (5M fp32), 1.14x (125M fp32) and 1.26x (125M bf16) faster than PASSIVE.
 
 So ``PAGEDLLM_OMP_WAIT=auto`` (the default) looks at the machine once, at import: over
-``SAMPLE_S`` it reads how busy the CPUs are (``/proc/stat``); when other processes keep less
+``SAMPLE_S`` it reads how busy the CPUs are (``psutil.cpu_times``); when other processes keep less
 than ``QUIET_BUSY_CORES`` of a core busy it sets ``GOMP_SPINCOUNT=SPIN_COUNT`` (a short, bounded
 spin), otherwise ``OMP_WAIT_POLICY=PASSIVE``. ``PAGEDLLM_OMP_WAIT=spin|passive`` forces one. The
 choice holds for the process's life (libgomp reads it once): a server started on an idle machine
@@ -31,28 +31,29 @@ import os
 import sys
 import time
 
+from pagedllm import envs
+
 SPIN_COUNT = 30000
 QUIET_BUSY_CORES = 0.3
 SAMPLE_S = 0.05
 
 
-def cpu_times() -> tuple[int, int] | None:
-    """(busy, total) jiffies over all CPUs from /proc/stat; None where it cannot be read."""
+def cpu_times() -> tuple[float, float] | None:
+    """(busy, total) CPU seconds over all CPUs since boot (psutil); None where it cannot tell."""
+    import psutil
+
     try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
+        t = psutil.cpu_times()
+    except (OSError, RuntimeError):
         return None
-    if len(fields) < 5:
-        return None
-    idle = fields[3] + fields[4]  # idle + iowait
-    total = sum(fields[:8])  # guest time is already counted in user
-    return total - idle, total
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    busy = t.user + t.nice + t.system + sum(getattr(t, k, 0.0) for k in ("irq", "softirq", "steal"))
+    return busy, busy + idle  # guest time is already counted in user
 
 
 def busy_cores(sample_s: float = SAMPLE_S) -> float | None:
     """How many cores' worth of CPU the machine spent busy over ``sample_s`` (this process
-    sleeps meanwhile, so it is other processes' load); None where /proc/stat is missing."""
+    sleeps meanwhile, so it is other processes' load); None where the CPU times are unknown."""
     a = cpu_times()
     time.sleep(sample_s)
     b = cpu_times()
@@ -71,7 +72,7 @@ def choose(mode: str, busy: float | None) -> tuple[str, str]:
     if mode != "auto":
         raise ValueError(f"PAGEDLLM_OMP_WAIT={mode!r}: use auto, spin or passive")
     if busy is None:
-        return passive, "CPU load unknown (no /proc/stat)"
+        return passive, "CPU load unknown"
     if busy < QUIET_BUSY_CORES:
         return spin, f"other processes kept {busy:.2f} cores busy at start (idle machine)"
     return passive, f"other processes kept {busy:.2f} cores busy at start (shared machine)"
@@ -81,7 +82,7 @@ SET_BY_PAGEDLLM: str | None = None
 CHOICE: str | None = None
 if ("torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ
         and "GOMP_SPINCOUNT" not in os.environ):
-    _mode = os.environ.get("PAGEDLLM_OMP_WAIT", "auto").strip().lower()
+    _mode = envs.get("PAGEDLLM_OMP_WAIT") or "auto"
     _setting, _why = choose(_mode, busy_cores() if _mode == "auto" else None)
     SET_BY_PAGEDLLM, _, _value = _setting.partition("=")
     os.environ[SET_BY_PAGEDLLM] = _value

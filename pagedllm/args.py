@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import partial
 from typing import Any
 
-from pagedllm.config import (
+from pagedllm.choices import (
+    ATTENTION_BACKENDS,
     DTYPE_NAMES,
+    EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPE_NAMES,
     LINEAR_BACKENDS,
+    PREEMPTION_MODES,
+)
+from pagedllm.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -39,7 +45,6 @@ logger = init_logger(__name__)
 ENGINE, MEMORY, LORA = "engine", "memory", "lora"
 GROUP_TITLES = {ENGINE: "engine (names follow vLLM)", MEMORY: "KV memory management",
                 LORA: "LoRA adapters (names follow vLLM)"}
-_KV_DTYPES = "auto (model dtype) | int8 | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2"
 _C, _S, _P, _E, _L = CacheConfig, SchedulerConfig, ParallelConfig, EngineConfig, LoRAConfig
 
 
@@ -88,13 +93,18 @@ class EngineArgs:
     enable_prefix_caching: bool = setting(_C.enable_prefix_caching, "reuse cached prompt blocks")
     enable_chunked_prefill: bool = setting(
         _S.enable_chunked_prefill, "split long prompts over steps (off: a prompt fits one step)")
-    kv_cache_dtype: str = setting(_C.k_cache_dtype, f"KV cache storage: {_KV_DTYPES}")
-    k_cache_dtype: str | None = setting(None, "override --kv-cache-dtype for K")
-    v_cache_dtype: str | None = setting(None, "override --kv-cache-dtype for V")
+    kv_cache_dtype: str = setting(
+        _C.k_cache_dtype, "KV cache storage: auto = the model dtype; int8 / fp8 (= fp8_e4m3): one "
+        "byte per value and a scale per token and KV head", choices=KV_CACHE_DTYPE_NAMES)
+    k_cache_dtype: str | None = setting(None, "override --kv-cache-dtype for K",
+                                        choices=KV_CACHE_DTYPE_NAMES)
+    v_cache_dtype: str | None = setting(None, "override --kv-cache-dtype for V",
+                                        choices=KV_CACHE_DTYPE_NAMES)
     seed: int = setting(_E.seed, "random seed")
     device: str = setting(_E.device, "cpu | cuda | cuda:N")
     attention_backend: str | None = setting(
-        _E.attention_backend, "torch_ref | cpu | triton (default: cpu on CPU, triton on CUDA)")
+        _E.attention_backend, f"{' | '.join(ATTENTION_BACKENDS)} (default: cpu on CPU, triton "
+        "on CUDA)")
     gpu_memory_utilization: float = setting(
         _E.gpu_memory_utilization, "CUDA: fraction of GPU memory for weights + activations + KV "
         "pool, when --kv-cache-memory / --num-kv-blocks are not given")
@@ -120,10 +130,10 @@ class EngineArgs:
     distributed_executor_backend: str = setting(
         _P.distributed_executor_backend,
         "where ranks 1..N-1 run: mp = local worker processes, ray = Ray actors",
-        choices=("mp", "ray"))
+        choices=EXECUTOR_BACKENDS)
     swap_space: float = setting(0.0, "GiB of host memory for swapped-out KV blocks", group=MEMORY)
     preemption_mode: str = setting(_S.preemption_mode, "what a preempted request loses",
-                                   choices=("recompute", "swap", "auto"), group=MEMORY)
+                                   choices=PREEMPTION_MODES, group=MEMORY)
     reserved_fraction: float = setting(
         _S.reserved_fraction, "share of blocks only the urgent class may take", group=MEMORY)
     urgent_priority: int = setting(
@@ -190,9 +200,12 @@ class EngineArgs:
         return args
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Every field as a flag, plus ``--config FILE.yaml``."""
-        add_flags(parser, EngineArgs, GROUP_TITLES)
+    def add_cli_args(parser: argparse.ArgumentParser, only: Collection[str] | None = None) -> None:
+        """Every field as a flag, plus ``--config FILE.yaml``; ``only``: just those fields' flags
+        (a command that uses a few engine settings takes them from here, never re-declared)."""
+        add_flags(parser, EngineArgs, GROUP_TITLES, only)
+        if only is not None:
+            return
         parser.add_argument("--config", default=None, metavar="FILE",
                             help="YAML file of flag values (keys: flag names, dashes or "
                             "underscores); the command line wins over the file, the file over "

@@ -11,38 +11,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedllm.choices import (
+    DTYPE_ALIASES,
+    EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPE_ALIASES,
+    KV_CACHE_DTYPE_NAMES,
+    KV_CACHE_DTYPES,
+    LINEAR_BACKENDS,
+    PREEMPTION_MODES,
+    SUPPORTED_DTYPES,
+)
 from pagedllm.config_hf import SUPPORTED_ARCHITECTURES, arch_traits, read_hf_config, rope_from_hf
 from pagedllm.lora.request import LoRAConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 
-SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
-_DTYPE_ALIASES = {
-    "float": "float32",
-    "fp32": "float32",
-    "float32": "float32",
-    "half": "float16",
-    "fp16": "float16",
-    "float16": "float16",
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-}
-DTYPE_NAMES = ("auto", *_DTYPE_ALIASES)  # what ``dtype`` / ``--dtype`` accept
-
-
-# KV cache storage dtypes (``--kv-cache-dtype``, vLLM's names): "auto" stores K/V at the model
-# dtype; the others store 1-byte values plus one bf16 scale per token and KV head
-# (pagedllm/attention/quant.py). "fp8" means fp8_e4m3, as in vLLM.
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
-_KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
 KV_SCALE_BYTES = 2  # bf16 scale per (token, KV head) of a quantized K or V
 
 
 def normalize_kv_cache_dtype(name: str, flag: str = "kv_cache_dtype") -> str:
-    resolved = _KV_CACHE_DTYPE_ALIASES.get(name, name)
+    """``fp8`` -> ``fp8_e4m3`` (pagedllm.choices); a ValueError naming ``flag`` for an unknown
+    name."""
+    resolved = KV_CACHE_DTYPE_ALIASES.get(name, name)
     if resolved not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"{flag}={name!r} is not supported; choose one of auto, int8, fp8, fp8_e4m3, fp8_e5m2"
-        )
+        raise ValueError(f"{flag}={name!r} is not supported; choose one of "
+                         f"{', '.join(KV_CACHE_DTYPE_NAMES)}")
     return resolved
 
 
@@ -78,10 +70,10 @@ def parse_memory(value: str | int | float) -> int:
 
 def normalize_dtype(dtype: str, config_dtype: str | None) -> str:
     if dtype == "auto":
-        resolved = _DTYPE_ALIASES.get(str(config_dtype or "float32").replace("torch.", ""))
+        resolved = DTYPE_ALIASES.get(str(config_dtype or "float32").replace("torch.", ""))
         # Follow the checkpoint, as vLLM does; unknown or missing dtypes fall back to float32.
         return resolved or "float32"
-    resolved = _DTYPE_ALIASES.get(dtype)
+    resolved = DTYPE_ALIASES.get(dtype)
     if resolved is None:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of auto, {', '.join(SUPPORTED_DTYPES)}")
     return resolved
@@ -289,9 +281,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.reserved_fraction < 1.0:
             raise ValueError(f"reserved_fraction={self.reserved_fraction} must be in [0, 1)")
-        if self.preemption_mode not in ("recompute", "swap", "auto"):
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be one of "
-                             "'recompute', 'swap', 'auto'")
+                             f"{', '.join(map(repr, PREEMPTION_MODES))}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.max_num_batched_tokens < 1:
@@ -317,14 +309,12 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
-        if self.distributed_executor_backend not in ("mp", "ray"):
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} "
-                             "must be 'mp' (worker processes) or 'ray'")
+                             f"must be one of {', '.join(map(repr, EXECUTOR_BACKENDS))} (mp: "
+                             f"worker processes)")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be > 0")
-
-
-LINEAR_BACKENDS = ("auto", "gemm", "onednn", "torch")
 
 
 @dataclass(frozen=True)

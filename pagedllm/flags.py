@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import typing
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import MISSING, Field, field, fields
 from typing import Any, TypeVar
 
@@ -23,16 +23,17 @@ _GIVEN = "_flags_given"  # namespace attribute: the destinations the command lin
 
 
 def setting(default: Any, help: str, *aliases: str, group: str = "engine",
-            choices: Sequence[Any] | None = None, metavar: str | None = None) -> Any:
+            choices: Sequence[Any] | None = None, metavar: str | None = None,
+            flag: str | None = None) -> Any:
     """A dataclass field that is also a flag. ``aliases`` are extra flag spellings (vLLM's names);
-    ``group`` is the help section."""
+    ``group`` is the help section; ``flag`` replaces the flag named after the field."""
     meta = {"help": help, "aliases": aliases, "group": group, "choices": choices,
-            "metavar": metavar}
+            "metavar": metavar, "flag": flag}
     return field(default=default, metadata=meta)
 
 
 def flag_name(f: Field[Any]) -> str:
-    return "--" + f.name.replace("_", "-")
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
 def _scalar_type(hint: Any) -> Any:
@@ -43,13 +44,15 @@ def _scalar_type(hint: Any) -> Any:
     return str if str in args else args[0]
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, titles: dict[str, str]) -> None:
-    """One flag per field of ``cls``, in argument groups titled by ``titles[field group]``."""
+def add_flags(parser: argparse.ArgumentParser, cls: type, titles: dict[str, str],
+              only: Collection[str] | None = None) -> None:
+    """One flag per field of ``cls`` (``only``: of those fields), in argument groups titled by
+    ``titles[field group]``."""
     hints = typing.get_type_hints(cls)
     groups: dict[str, Any] = {}
     for f in fields(cls):
         meta = f.metadata
-        if "help" not in meta:
+        if "help" not in meta or (only is not None and f.name not in only):
             continue
         g = groups.get(meta["group"])
         if g is None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
+
+from pagedllm import envs
 
 _ROOT = "pagedllm"
 
@@ -15,7 +16,7 @@ def _configure() -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
     root.addHandler(handler)
-    root.setLevel(os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO").upper())
+    root.setLevel((envs.get("PAGEDLLM_LOG_LEVEL") or "info").upper())
     root.propagate = False
 
 

@@ -5,6 +5,7 @@ in the docs is typed by hand.
     <!-- generated: engine-args -->          EngineArgs' fields: flag, aliases, type, default, help
     <!-- generated: cli-help -->             ``--help`` of ``pagedllm`` and every subcommand
     <!-- generated: vllm-settings -->        vLLM settings accepted with a warning or refused
+    <!-- generated: env-vars -->             ``pagedllm.envs.ENV_VARS``: name, type, default, help
     <!-- bench: FILE col col ... -->         a table of FILE's ``results`` (FILE under docs/), its
                                              ``ratios`` and the machine the run measured
 
@@ -50,6 +51,19 @@ def engine_args_md() -> str:
         if meta["choices"]:
             text += " (choices: " + ", ".join(f"`{c}`" for c in meta["choices"]) + ")"
         rows.append(f"| `{f.name}` | {flags} | {typ} | {default} | {_cell(text)} |")
+    return "\n".join(rows)
+
+
+def env_vars_md() -> str:
+    """One row per environment variable of ``pagedllm.envs``, in declaration order."""
+    from pagedllm.envs import CHOICE, ENV_VARS, SWITCH
+
+    rows = ["| variable | values | default | what it does |", "| --- | --- | --- | --- |"]
+    for v in ENV_VARS:
+        values = {SWITCH: "`auto` / `1` (on), `0` (off)",
+                  CHOICE: " / ".join(f"`{c}`" for c in v.choices)}.get(v.type, "text")
+        default = "" if v.default is None else f"`{v.default}`"
+        rows.append(f"| `{v.name}` | {values} | {default} | {_cell(v.help)} |")
     return "\n".join(rows)
 
 
@@ -158,6 +172,8 @@ def render(markdown: str) -> str:
             return cli_help_md()
         if what == "generated: vllm-settings":
             return vllm_settings_md()
+        if what == "generated: env-vars":
+            return env_vars_md()
         if what.startswith("bench: "):
             return bench_md(what[len("bench: "):])
         raise ValueError(f"unknown docs marker {m.group(0)!r} (scripts/docs_hooks.py)")

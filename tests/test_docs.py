@@ -85,6 +85,11 @@ def test_generated_sections_render_from_the_code() -> None:
     compat = rendered[DOCS / "serving" / "vllm-compatibility.md"]
     assert re.findall(r"^\| `([a-z0-9_]+)` \| (?:yes)? \|", compat, re.M) == list(VLLM_SETTINGS)
 
+    from pagedllm.envs import ENV_VARS
+
+    env = rendered[DOCS / "reference" / "environment.md"]
+    assert re.findall(r"^\| `(PAGEDLLM_[A-Z_]+)` \|", env, re.M) == [v.name for v in ENV_VARS]
+
 
 def test_bench_tables_come_from_the_json(tmp_path: Path) -> None:
     h = hooks()

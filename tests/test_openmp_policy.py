@@ -26,7 +26,7 @@ def test_auto_spins_only_when_the_machine_is_idle() -> None:
 def test_busy_cores_sees_a_busy_loop() -> None:
     idle = _openmp.busy_cores(0.2)
     if idle is None:
-        pytest.skip("no /proc/stat on this system")
+        pytest.skip("the CPU times are unknown on this system")
     loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         busy = _openmp.busy_cores(0.5)

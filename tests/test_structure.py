@@ -1,5 +1,6 @@
 """The package's shape: no import circle (every import counts, under TYPE_CHECKING and inside
-functions too), no mixin classes, no file over 400 lines outside attention/triton/."""
+functions too), no mixin classes, no file over 400 lines outside attention/triton/, no function
+over 80 lines (Triton kernels aside)."""
 
 from __future__ import annotations
 
@@ -123,6 +124,55 @@ def test_no_file_over_400_lines() -> None:
     assert not long, f"files over {MAX_LINES} lines: {long}"
 
 
+MAX_FUNCTION_LINES = 80
+
+
+def _long_functions(path: Path) -> list[tuple[str, int]]:
+    """(name, lines) of each function in ``path`` longer than ``MAX_FUNCTION_LINES``, decorators
+    and docstring included; Triton kernels (``@triton.jit``: one GPU program, split only at a
+    cost) aside."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if any("jit" in ast.unparse(d) for d in node.decorator_list):
+            continue
+        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        n = (node.end_lineno or node.lineno) - first + 1
+        if n > MAX_FUNCTION_LINES:
+            out.append((node.name, n))
+    return out
+
+
+def test_no_function_over_80_lines() -> None:
+    long = {f"{p.relative_to(PKG.parent)}:{name}": n for p in PKG.rglob("*.py")
+            for name, n in _long_functions(p)}
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them): {long}"
+
+
+def test_the_length_check_counts_lines(tmp_path: Path) -> None:
+    f = tmp_path / "m.py"
+    body = "".join(f"    x{i} = {i}\n" for i in range(80))
+    f.write_text(f"def long():\n{body}\ndef short():\n    pass\n\n@triton.jit\n"
+                 f"def kernel():\n{body}")
+    assert _long_functions(f) == [("long", 81)]
+
+
+def _proc_paths(path: Path) -> list[int]:
+    """Lines of string constants that start with ``/proc`` (a path to parse)."""
+    return [n.lineno for n in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and n.value.startswith("/proc")]
+
+
+def test_psutil_not_proc() -> None:
+    """CPU times, process trees, RSS come from psutil (load averages from os.getloadavg); only
+    the CPU's model and flags, which psutil does not give, are read from /proc (``_cpu.py``)."""
+    found = {str(p.relative_to(PKG.parent)): lines for p in PKG.rglob("*.py")
+             if p.name != "_cpu.py" and (lines := _proc_paths(p))}
+    assert not found, f"/proc parsed by hand (use psutil): {found}"
+
+
 # What the server may know of the engine: the client and its plain-data messages, the records
 # (StepStats) and outputs; never the scheduler, the KV manager, the runner or a live Request.
 SERVER_FORBIDDEN = ("pagedllm.engine.core", "pagedllm.engine.core_proc", "pagedllm.engine.snapshot",
@@ -173,11 +223,13 @@ def _private_imports(path: Path, modules: dict[str, Path]) -> list[str]:
     return found
 
 
-def test_server_modules_import_no_private_names() -> None:
+def test_no_module_imports_another_modules_private_names() -> None:
+    """The server's modules, and every other (``planner/cli.py`` once took ``bench.cli``'s
+    ``_workload_args``): what two modules share is public and lives where both can own it."""
     modules = _modules()
     bad = [f"{name} imports {what}" for name, path in modules.items()
-           if name.startswith("pagedllm.server") for what in _private_imports(path, modules)]
-    assert not bad, "a server module imports another module's private name: " + "; ".join(bad)
+           for what in _private_imports(path, modules)]
+    assert not bad, "a module imports another module's private name: " + "; ".join(bad)
 
 
 def test_the_private_import_finder_finds_them(tmp_path: Path) -> None:

@@ -12,7 +12,6 @@ on that same device at the dtype the engine resolves (``ModelConfig.from_hf(mode
 
 from __future__ import annotations
 
-import os
 import resource
 import time
 from dataclasses import dataclass, field, replace
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm._openmp import cpu_times
 from pagedllm.bench.device import require_device, synchronize
-from pagedllm.bench.workload import BenchRequest
+from pagedllm.bench.workload import BenchRequest, submissions
 
 if TYPE_CHECKING:
     from pagedllm.sched.stats import SpecDecodeCounts
@@ -72,11 +71,8 @@ class EngineBackend:
         self.json_schema = json_schema
 
     def run(self, reqs: list[BenchRequest]) -> RunResult:
-        from pagedllm.sampling_params import (
-            RequestOutputKind,
-            SamplingParams,
-            StructuredOutputsParams,
-        )
+        from pagedllm.engine.drive import drive
+        from pagedllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         eng = self.engine
         eng.kv.reset_prefix_cache()  # a repetition must not hit the previous one's blocks
@@ -87,29 +83,24 @@ class EngineBackend:
         preempted_before = eng.num_preemptions
         spec_before = replace(eng.spec.total) if eng.spec is not None else None
         so = None if self.json_schema is None else StructuredOutputsParams(json=self.json_schema)
-        mask_s = wait_s = 0.0
-        ids = [f"b{i}" for i in range(len(reqs))]
-        outputs: dict[str, list[int]] = {}
+        grammar_s = [0.0, 0.0]  # llguidance's mask time, the part sampling waited for
+
+        def on_step(outs: list[Any]) -> None:
+            trace.add(eng.stats)
+            self.step_prepare_s.append(eng.stats.prepare_time_s)
+            grammar_s[0] += eng.stats.grammar_mask_time_s
+            grammar_s[1] += eng.stats.grammar_wait_time_s
+
+        subs = submissions(eng, reqs, prefix="b", structured_outputs=so,
+                           output_kind=RequestOutputKind.FINAL_ONLY)
         synchronize(self.device)
         m0, f0 = cpu_times(), minor_faults()
         t0, c0 = time.perf_counter(), time.process_time()
-        for rid, r in zip(ids, reqs):
-            params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True,
-                                    structured_outputs=so,
-                                    output_kind=RequestOutputKind.FINAL_ONLY)
-            eng.add_request(rid, {"prompt_token_ids": r.prompt_token_ids}, params)
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                if o.finished:
-                    outputs[o.request_id] = list(o.outputs[0].token_ids)
-            trace.add(eng.stats)
-            self.step_prepare_s.append(eng.stats.prepare_time_s)
-            mask_s += eng.stats.grammar_mask_time_s
-            wait_s += eng.stats.grammar_wait_time_s
+        res = drive(eng, subs, on_step=on_step)
         synchronize(self.device)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         m1 = cpu_times()
-        outs = [outputs[i] for i in ids]
+        outs = [list(o.outputs[0].token_ids) for o in res.in_order([r.request_id for r in subs])]
         n_out = sum(len(o) for o in outs)
         stats = trace.summary()
         stats["prefix_cache_hit_rate"] = eng.kv.stats.hit_rate
@@ -118,11 +109,11 @@ class EngineBackend:
         stats["cpu_s"] = cpu  # all of this process's threads (on a shared machine, steadier)
         stats["minor_faults"] = minor_faults() - f0  # fresh pages touched (pagedllm/_malloc.py)
         if m0 is not None and m1 is not None:  # every process's, to see what else ran meanwhile
-            stats["machine_cpu_s"] = (m1[0] - m0[0]) / os.sysconf("SC_CLK_TCK")
+            stats["machine_cpu_s"] = m1[0] - m0[0]
         if eng.spec is not None:
             stats.update(spec_stats(spec_before, eng.spec.total))
         if so is not None:  # llguidance's time computing masks, and the part sampling waited for
-            stats["grammar_mask_s"], stats["grammar_wait_s"] = mask_s, wait_s
+            stats["grammar_mask_s"], stats["grammar_wait_s"] = grammar_s
         return RunResult(self.name, elapsed, len(reqs), sum(r.prompt_len for r in reqs), n_out,
                          n_out, outs, stats)
 

@@ -15,11 +15,13 @@ the workload run ``reps`` times interleaved across block sizes. Reported:
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedllm.bench.command import add_workload_command_args, int_list, show, workload
 from pagedllm.bench.harness import interleaved, timing
 from pagedllm.bench.report import format_table, machine_info, plot, write_json
 from pagedllm.bench.workload import BenchRequest, WorkloadSpec, summarize
@@ -28,6 +30,24 @@ DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 COLUMNS = ("block_size", "num_blocks", "output_tokens_per_s", "peak_running", "kv_utilization",
            "internal_fragmentation", "prepare_ms_per_step", "attention_ms_per_step",
            "attention_share")
+
+COMMAND = "block-size"
+HELP = "sweep KV block sizes at a fixed KV memory"
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block-sizes", type=int_list, default=DEFAULT_SIZES)
+    p.add_argument("--budget-tokens", type=int, default=None,
+                   help="KV token slots for every block size (default: 16 x max_model_len)")
+    p.add_argument("--reps", type=int, default=2, help="repetitions (the fastest is reported)")
+    add_workload_command_args(p, 32)
+
+
+def run(a: argparse.Namespace) -> int:
+    kw, spec, reqs, cfg = workload(a)
+    budget = a.budget_tokens or 16 * cfg.scheduler.max_model_len
+    res = run_block_size(reqs, spec, kw, budget, tuple(a.block_sizes), a.reps)
+    return show(report_block_size(res, a.output_dir, a.output_json, a.plot))
 
 
 def timed_backend(name: str | None, device: str) -> str:

@@ -34,12 +34,14 @@ lengths needs (the paged backend always masks batched decode): SDPA's masked pat
 
 from __future__ import annotations
 
-import contextlib
+import argparse
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
+from pagedllm.args import EngineArgs
+from pagedllm.bench.command import add_output_args, int_list, prepare, show
 from pagedllm.bench.device import (
     attention_flops,
     decode_kv_bytes,
@@ -51,12 +53,72 @@ from pagedllm.bench.device import (
     synchronize,
 )
 from pagedllm.bench.harness import interleaved
+from pagedllm.bench.kernel_case import Case, case
 from pagedllm.bench.report import machine_info, targets
+from pagedllm.choices import SUPPORTED_DTYPES as DTYPES
+from pagedllm.config import normalize_dtype
 
-DTYPES = ("float32", "float16", "bfloat16")
-# (atol, rtol) of the paged-vs-contiguous check: both sides round their output to the dtype
-TOLERANCE = {"float32": (1e-3, 0.0), "float16": (2e-2, 2e-2), "bfloat16": (2e-2, 2e-2)}
 BANDWIDTH_TARGET = 0.70  # decode KV bandwidth / spec peak at the longest context (issue 8)
+
+COMMAND = "kernel"
+HELP = ("paged attention vs contiguous SDPA, decode and prefill; on CUDA also decode bandwidth "
+        "vs the GPU's peak and prefill TFLOP/s")
+DESCRIPTION = ("Engine flags used: --device; --dtype (the K/V/Q dtype; auto: float32 on CPU, "
+               "bfloat16 on CUDA); --model (head shapes from this checkpoint; default: the "
+               "shipped model on CPU, 32 q / 8 kv heads, head_dim 128 on CUDA); "
+               "--attention-backend (default: cpu on CPU, triton on CUDA; triton on CPU needs "
+               "TRITON_INTERPRET=1 in the environment).")
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-heads", type=int, default=None)
+    p.add_argument("--num-kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--contexts", type=int_list, default=None,
+                   help="default: 128,512,2048 on CPU; 1024,4096,16384,32768 on CUDA")
+    p.add_argument("--block-sizes", type=int_list, default=None, help="default: 16,64,256")
+    p.add_argument("--batch", type=int, default=None,
+                   help="decode batch (default: 16 on CPU, 32 on CUDA; prefill uses 1 request)")
+    p.add_argument("--phases", default="decode,prefill")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--no-copy-bandwidth", dest="copy_bandwidth", action="store_false",
+                   help="skip measuring the device copy bandwidth (the frac_copy reference)")
+    add_output_args(p)
+    EngineArgs.add_cli_args(p, only=("model", "dtype", "seed", "device", "attention_backend"))
+    p.add_argument("--backend", dest="attention_backend", help="= --attention-backend")
+
+
+def run(a: argparse.Namespace) -> int:
+    from pagedllm.bench.kernel_report import report_kernel
+
+    prepare(a)
+    d = kernel_defaults(a.device)
+    heads = d["heads"] if d["heads"] and a.model is None else model_heads(a.model)
+    res = run_kernel(
+        contexts=tuple(a.contexts or d["contexts"]),
+        block_sizes=tuple(a.block_sizes or d["block_sizes"]), batch=a.batch or d["batch"],
+        phases=tuple(x.strip() for x in a.phases.split(",") if x.strip()),
+        num_heads=a.num_heads or heads[0], num_kv_heads=a.num_kv_heads or heads[1],
+        head_dim=a.head_dim or heads[2], rounds=a.rounds, iters=a.iters,
+        backend=a.attention_backend, seed=a.seed, device=a.device,
+        dtype=normalize_dtype(a.dtype, d["dtype"]), measure_copy=a.copy_bandwidth,
+    )
+    return show(report_kernel(res, a.output_dir, a.output_json, a.plot))
+
+
+def model_heads(model: str | None) -> tuple[int, int, int]:
+    """(q heads, kv heads, head_dim) of ``model``; (8, 2, 64) when no checkpoint is there."""
+    from pagedllm.config import ModelConfig, default_model_path
+
+    path = model or default_model_path()
+    try:
+        m = ModelConfig.from_hf(path)
+    except ValueError:
+        if model is not None:
+            raise
+        return 8, 2, 64
+    return m.num_attention_heads, m.num_key_value_heads, m.head_dim
 
 
 def kernel_defaults(device: str) -> dict[str, Any]:
@@ -69,138 +131,6 @@ def kernel_defaults(device: str) -> dict[str, Any]:
                 dtype="float32", backend="cpu")
 
 
-class _Case(NamedTuple):
-    paged: Callable[[], Any]
-    contiguous: Callable[[], Any]
-    gather: Callable[[], Any] | None  # CPU backend only
-    masked: Callable[[], Any] | None  # decode only
-    max_abs_diff: float
-    contiguous_impl: str
-
-
-def _case(phase: str, batch: int, context: int, block_size: int, hq: int, hkv: int, d: int,
-          backend_name: str, seed: int, device: str = "cpu", dtype: str = "float32") -> _Case:
-    """The same attention step both ways (checked to agree), plus the CPU backend's gather and
-    contiguous decode with a length mask."""
-    import torch
-    import torch.nn.functional as F
-
-    from pagedllm.attention import AttentionMetadata, get_backend
-
-    dt = getattr(torch, dtype)
-    g = torch.Generator(device=device).manual_seed(seed)
-    per_req = -(-context // block_size)
-    nb = batch * per_req + 1
-    k_cont = torch.randn(batch, hkv, context, d, generator=g, device=device, dtype=dt)
-    v_cont = torch.randn(batch, hkv, context, d, generator=g, device=device, dtype=dt)
-    perm = torch.randperm(nb, generator=g, device=device)[:batch * per_req]
-    perm = perm.view(batch, per_req).to(torch.int32)  # [B, blocks per request]
-    k_cache = torch.zeros(nb, block_size, hkv, d, device=device, dtype=dt)
-    v_cache = torch.zeros(nb, block_size, hkv, d, device=device, dtype=dt)
-    pos = torch.arange(context, device=device)
-    slots = (perm.long()[:, pos // block_size] * block_size + pos % block_size)  # [B, L]
-    k_cache.view(-1, hkv, d)[slots.reshape(-1)] = k_cont.permute(0, 2, 1, 3).reshape(-1, hkv, d)
-    v_cache.view(-1, hkv, d)[slots.reshape(-1)] = v_cont.permute(0, 2, 1, 3).reshape(-1, hkv, d)
-    backend = get_backend(backend_name, device)
-    scale = d ** -0.5
-    group = hq // hkv
-    if phase == "decode":
-        q = torch.randn(batch, hq, d, generator=g, device=device, dtype=dt)
-        k_new = k_cont[:, :, -1].clone()  # [B, Hkv, D]: rewrite the last position
-        v_new = v_cont[:, :, -1].clone()
-        qsl = list(range(batch + 1))
-        lens = [context] * batch
-        slot_map = slots[:, -1].contiguous()
-    else:
-        if batch != 1:
-            raise ValueError("prefill cases use one request")
-        q = torch.randn(context, hq, d, generator=g, device=device, dtype=dt)
-        k_new = k_cont[0].transpose(0, 1).clone()  # [L, Hkv, D]
-        v_new = v_cont[0].transpose(0, 1).clone()
-        qsl = [0, context]
-        lens = [context]
-        slot_map = slots[0].contiguous()
-    meta = AttentionMetadata(
-        slot_mapping=slot_map,
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        block_tables=perm,
-        max_query_len=qsl[1] - qsl[0],
-        max_seq_len=context,
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=lens,
-    )
-
-    def paged() -> Any:
-        return backend.forward(q, k_new, v_new, k_cache, v_cache, meta, scale)
-
-    masked: Callable[[], Any] | None = None
-    impl = "sdpa"
-    if phase == "decode":
-        def contiguous() -> Any:
-            k_cont[:, :, -1] = k_new
-            v_cont[:, :, -1] = v_new
-            qg = q.view(batch, hkv, group, d)
-            return F.scaled_dot_product_attention(qg, k_cont, v_cont, scale=scale).reshape(batch, hq, d)
-
-        keep = torch.ones(batch, 1, 1, context, dtype=torch.bool, device=device)
-
-        def masked() -> Any:  # contiguous, with the length mask ragged batches need
-            k_cont[:, :, -1] = k_new
-            v_cont[:, :, -1] = v_new
-            qg = q.view(batch, hkv, group, d)
-            return F.scaled_dot_product_attention(qg, k_cont, v_cont, attn_mask=keep,
-                                                  scale=scale).reshape(batch, hq, d)
-    else:
-        qi = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
-
-        def contiguous() -> Any:
-            k_cont[0] = k_new.transpose(0, 1)
-            v_cont[0] = v_new.transpose(0, 1)
-            o = F.scaled_dot_product_attention(qi, k_cont, v_cont, is_causal=True, scale=scale,
-                                               enable_gqa=group > 1)
-            return o[0].transpose(0, 1)
-
-        impl = "sdpa-gqa" if group > 1 else "sdpa"
-        if is_cuda(device):
-            # No fused CUDA kernel takes GQA at every dtype (flash: fp16/bf16 only), and SDPA
-            # would fall back to its math kernel. Probe without that fallback; fused kernels
-            # outrank math in SDPA's dispatch, so an untimed probe that passes here means the
-            # timed calls run fused too.
-            try:
-                with _fused_sdpa_only(device):
-                    contiguous()
-            except RuntimeError:
-                k_exp = k_cont.repeat_interleave(group, dim=1)  # [1, Hq, L, D]
-                v_exp = v_cont.repeat_interleave(group, dim=1)
-                impl = "sdpa-expanded-kv"
-
-                def contiguous() -> Any:
-                    k_exp[0] = k_new.transpose(0, 1).repeat_interleave(group, dim=0)
-                    v_exp[0] = v_new.transpose(0, 1).repeat_interleave(group, dim=0)
-                    o = F.scaled_dot_product_attention(qi, k_exp, v_exp, is_causal=True,
-                                                       scale=scale)
-                    return o[0].transpose(0, 1)
-
-    gather: Callable[[], Any] | None = None
-    if backend_name == "cpu":
-        tables = perm.long()
-
-        def gather() -> Any:  # what the CPU backend materialises before its SDPA call
-            return k_cache[tables].float(), v_cache[tables].float()
-
-    with torch.inference_mode():
-        a, b = paged(), contiguous()
-    diff = (a.reshape(b.shape).float() - b.float()).abs()
-    atol, rtol = TOLERANCE[dtype]
-    err = diff.max().item()
-    if (diff - rtol * b.float().abs()).max().item() > atol:
-        raise AssertionError(f"paged and contiguous attention disagree ({phase}, context "
-                             f"{context}, block {block_size}, {dtype}): max abs diff {err:.2e} "
-                             f"(tolerance {atol:g} + {rtol:g} x |contiguous|)")
-    return _Case(paged, contiguous, gather, masked, err, impl)
-
-
 def _time(fn: Callable[[], Any], iters: int, device: str) -> float:
     synchronize(device)
     t = time.perf_counter()
@@ -208,20 +138,6 @@ def _time(fn: Callable[[], Any], iters: int, device: str) -> float:
         fn()
     synchronize(device)
     return (time.perf_counter() - t) / iters
-
-
-@contextlib.contextmanager
-def _fused_sdpa_only(device: str) -> Iterator[None]:
-    """On CUDA, keep SDPA off its math fallback: for a long prefill it materialises the
-    [Hq, L, L] score matrix (out of memory) and would not be a fair contiguous reference."""
-    if not is_cuda(device):
-        yield
-        return
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    names = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
-    with sdpa_kernel([getattr(SDPBackend, n) for n in names if hasattr(SDPBackend, n)]):
-        yield
 
 
 def run_kernel(
@@ -250,60 +166,28 @@ def run_kernel(
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     require_device(device)
+    heads = (num_heads, num_kv_heads, head_dim)
     elem = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     name = device_name(device)
     peak = peak_memory_bandwidth(name)
     copy = measure_copy_bandwidth(device) if measure_copy else {"measured": False}
-    copy_bw = copy.get("bytes_per_s")
-
     rows: list[dict[str, Any]] = []
     with torch.inference_mode():
         for phase in phases:
             for ctx in contexts:
                 for bs in block_sizes:
                     b = batch if phase == "decode" else 1
-                    c = _case(phase, b, ctx, bs, num_heads, num_kv_heads, head_dim, backend,
-                              seed, device, dtype)
-                    extra = [f for f in (c.gather, c.masked) if f is not None]
-                    # warm-up (Triton compiles here), then interleaved rounds (bench.harness)
-                    tp, tc, *te = interleaved([c.paged, c.contiguous, *extra],
-                                              lambda f: _time(f, iters, device), rounds,
-                                              warmup=lambda f: f())
-                    tg = te.pop(0) if c.gather is not None else []
-                    tm = te.pop(0) if c.masked is not None else []
-                    p_s, c_s = statistics.median(tp), statistics.median(tc)
-                    ratios = [x / y for x, y in zip(tp, tc)]
-                    row: dict[str, Any] = {
-                        "phase": phase, "context": ctx, "block_size": bs, "batch": b,
-                        "paged_ms": 1e3 * p_s, "contiguous_ms": 1e3 * c_s,
-                        "gather_ms": 1e3 * statistics.median(tg) if tg else None,
-                        "contiguous_masked_ms": 1e3 * statistics.median(tm) if tm else None,
-                        "ratio": statistics.median(ratios),
-                        "ratio_min": min(ratios), "ratio_max": max(ratios),
-                        "max_abs_diff": c.max_abs_diff, "contiguous_impl": c.contiguous_impl,
-                    }
-                    row.update(_rates(phase, b, ctx, num_heads, num_kv_heads, head_dim, elem,
-                                      p_s, c_s, peak, copy_bw))
+                    c = case(phase, b, ctx, bs, *heads, backend, seed, device, dtype)
+                    row = {"phase": phase, "context": ctx, "block_size": bs, "batch": b,
+                           **_time_case(c, rounds, iters, device)}
+                    row.update(_rates(phase, b, ctx, *heads, elem, row.pop("_paged_s"),
+                                      row.pop("_contiguous_s"), peak, copy.get("bytes_per_s")))
                     rows.append(row)
                     del c
-    summary = _summary(rows, phases)
-    checks: list[tuple[str, float | None, str, float]] = [
-        ("paged/contiguous decode time (worst case)",
-         summary["decode"]["max_ratio"] if "decode" in summary else None, "<=", 1.3)]
-    if peak is not None and "decode" in summary:
-        longest = summary["decode"]["longest_context"]
-        for bs, frac in summary["decode"]["frac_peak_at_longest"].items():
-            checks.append((f"decode KV bandwidth / peak, context {longest}, block {bs}", frac,
-                           ">=", BANDWIDTH_TARGET))
-    decode_path = None
-    if backend == "cpu":
-        from pagedllm import kernels
-
-        decode_path = "kernel" if kernels.available() else "sdpa"
     return {
         "benchmark": "kernel",
         "backend": backend,
-        "decode_path": decode_path,
+        "decode_path": _decode_path(backend),
         "device": device,
         "device_name": name,
         "shape": {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
@@ -316,10 +200,52 @@ def run_kernel(
                    "sync": "torch.cuda.synchronize around each timed loop" if is_cuda(device)
                    else "none (CPU)"},
         "results": rows,
-        "summary": summary,
-        "targets": targets(checks),
+        **_summary_and_targets(rows, phases, peak),
         "machine": machine_info(),
     }
+
+
+def _time_case(c: Case, rounds: int, iters: int, device: str) -> dict[str, Any]:
+    """Warm-up (Triton compiles here), then interleaved rounds (bench.harness): the median
+    round's times and the paged / contiguous ratio."""
+    extra = [f for f in (c.gather, c.masked) if f is not None]
+    tp, tc, *te = interleaved([c.paged, c.contiguous, *extra], lambda f: _time(f, iters, device),
+                              rounds, warmup=lambda f: f())
+    tg = te.pop(0) if c.gather is not None else []
+    tm = te.pop(0) if c.masked is not None else []
+    p_s, c_s = statistics.median(tp), statistics.median(tc)
+    ratios = [x / y for x, y in zip(tp, tc)]
+    return {
+        "paged_ms": 1e3 * p_s, "contiguous_ms": 1e3 * c_s,
+        "gather_ms": 1e3 * statistics.median(tg) if tg else None,
+        "contiguous_masked_ms": 1e3 * statistics.median(tm) if tm else None,
+        "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "max_abs_diff": c.max_abs_diff, "contiguous_impl": c.contiguous_impl,
+        "_paged_s": p_s, "_contiguous_s": c_s,
+    }
+
+
+def _decode_path(backend: str) -> str | None:
+    """The CPU backend's path: its C++ kernel, or the SDPA fallback."""
+    if backend != "cpu":
+        return None
+    from pagedllm import kernels
+
+    return "kernel" if kernels.available() else "sdpa"
+
+
+def _summary_and_targets(rows: list[dict[str, Any]], phases: tuple[str, ...],
+                         peak: float | None) -> dict[str, Any]:
+    summary = _summary(rows, phases)
+    checks: list[tuple[str, float | None, str, float]] = [
+        ("paged/contiguous decode time (worst case)",
+         summary["decode"]["max_ratio"] if "decode" in summary else None, "<=", 1.3)]
+    if peak is not None and "decode" in summary:
+        longest = summary["decode"]["longest_context"]
+        for bs, frac in summary["decode"]["frac_peak_at_longest"].items():
+            checks.append((f"decode KV bandwidth / peak, context {longest}, block {bs}", frac,
+                           ">=", BANDWIDTH_TARGET))
+    return {"summary": summary, "targets": targets(checks)}
 
 
 def _rates(phase: str, batch: int, context: int, hq: int, hkv: int, d: int, elem: int,

@@ -5,8 +5,9 @@ One invocation builds two engines from the same kwargs, one without speculation 
 for each batch size b runs b requests at once (greedy, ``ignore_eos``, ``--output-len`` tokens)
 ``reps`` times per engine, interleaved (``bench.harness``). Each run starts with an empty prefix
 cache. The prompts are code: windows of ``--prompt-len`` tokens from the middle of the shipped
-model's held-out files (``bench.quant_eval.heldout_texts``), or seeded random ids with
-``--random-prompts`` (nothing repeats: the case where proposals are rarely right).
+model's held-out files (the ``code`` workload, ``bench.workload``), or seeded random ids with
+``--random-prompts`` (the ``fixed`` workload; nothing repeats: the case where proposals are
+rarely right).
 
 Reported per (batch, engine):
 
@@ -19,16 +20,18 @@ and the ratio on/off of each rate, with the greedy outputs compared token for to
 
 from __future__ import annotations
 
-import random
-import time
+import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
+from pagedllm.args import EngineArgs
+from pagedllm.bench.command import add_output_args, engine_kwargs, int_list, prepare, show
 from pagedllm.bench.harness import interleaved, timing
 from pagedllm.bench.report import format_table, machine_info, plot, write_json
-from pagedllm.bench.workload import code_prompts
+from pagedllm.bench.workload import BenchRequest, code_prompts, submissions
 
-__all__ = ["code_prompts", "random_prompts", "report_latency", "run_latency"]
+__all__ = ["code_prompts", "report_latency", "run_latency"]
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 1}
@@ -36,9 +39,35 @@ COLUMNS = ("batch", "speculation", "output_tokens_per_s", "decode_tokens_per_s",
            "ratio_decode", "acceptance_rate", "mean_accepted_length")
 
 
-def random_prompts(vocab_size: int, n: int, prompt_len: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(4, vocab_size) for _ in range(prompt_len)] for _ in range(n)]
+COMMAND = "latency"
+HELP = "single-request and small-batch decode speed, speculative decoding on vs off, interleaved"
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-sizes", type=int_list, default=(1, 4, 16))
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3, help="repetitions per engine (the fastest is reported)")
+    p.add_argument("--random-prompts", action="store_true",
+                   help="seeded random token ids (the fixed workload) instead of held-out code "
+                   "(nothing repeats)")
+    add_output_args(p)
+    EngineArgs.add_cli_args(p)
+
+
+def run(a: argparse.Namespace) -> int:
+    from pagedllm.bench.workload import build_workload
+
+    prepare(a)
+    kw = engine_kwargs(a)
+    _, reqs, cfg = build_workload(kw, dict(
+        kind="fixed" if a.random_prompts else "code", num_prompts=max(a.batch_sizes),
+        seed=a.seed, input_len=a.prompt_len, output_len=a.output_len))
+    prompts = [r.prompt_token_ids for r in reqs]
+    spec = cfg.speculative
+    spec_dict = dataclasses.asdict(spec) if spec is not None else None
+    res = run_latency(prompts, kw, spec_dict, tuple(a.batch_sizes), a.output_len, a.reps)
+    return show(report_latency(res, a.output_dir, a.output_json, a.plot))
 
 
 class _Engine:
@@ -49,30 +78,19 @@ class _Engine:
         self.engine = LLMEngine.from_args(**{**engine_kwargs, "speculative_config": spec})
 
     def run(self, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
-        from pagedllm.sampling_params import SamplingParams
+        from pagedllm.engine.drive import drive
 
         eng = self.engine
         eng.kv.reset_prefix_cache()  # a repetition must not hit the previous one's blocks
         before = eng.kv_stats()
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-        t0 = time.perf_counter()
-        for i, p in enumerate(prompts):
-            eng.add_request(f"l{i}", {"prompt_token_ids": p}, params)
-        outputs: dict[int, list[int]] = {}
-        first: dict[int, float] = {}
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                i = int(o.request_id[1:])
-                if i not in first and o.outputs and o.outputs[0].token_ids:
-                    first[i] = time.perf_counter()
-                if o.finished:
-                    outputs[i] = list(o.outputs[0].token_ids)
-        end = time.perf_counter()
+        subs = submissions(eng, [BenchRequest(p, output_len) for p in prompts], prefix="l")
+        res = drive(eng, subs)
         after = eng.kv_stats()
         counts = {k: after[f"spec_decode_{k}"] - before[f"spec_decode_{k}"]
                   for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-        return {"elapsed_s": end - t0, "decode_s": end - max(first.values()),
-                "outputs": [outputs[i] for i in range(len(prompts))], **counts}
+        return {"elapsed_s": res.elapsed, "decode_s": res.elapsed - max(res.first_token.values()),
+                "outputs": [list(o.outputs[0].token_ids)
+                            for o in res.in_order([r.request_id for r in subs])], **counts}
 
 
 def run_latency(prompts: list[list[int]], engine_kwargs: dict[str, Any],

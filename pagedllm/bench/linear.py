@@ -22,22 +22,36 @@ reported too (``engine_total_s``).
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch.nn import functional as F
-
-from pagedllm import kernels
+from pagedllm.bench.command import add_workload_command_args, show, workload
 from pagedllm.bench.report import format_table, machine_info, write_json
 from pagedllm.bench.workload import BenchRequest, WorkloadSpec, summarize
+
+if TYPE_CHECKING:  # torch is imported where it runs: the CLI builds this parser without it
+    import torch
 
 LINEAR_OPS = {"mkldnn::_linear_pointwise": "onednn", "aten::linear": "torch"}
 COLD_BYTES = 64 * 2**20  # weight copies cycled through when timing alone: more than any L3 here
 Shape = tuple[int, int, int]  # (M, N, K)
+
+COMMAND = "linear"
+HELP = "time in the engine's linear layers vs the GEMM rate oneDNN reaches alone on the same shapes"
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--warmup", type=int, default=4, help="requests in the warm-up run")
+    add_workload_command_args(p, 16)
+
+
+def run(a: argparse.Namespace) -> int:
+    kw, spec, reqs, _ = workload(a)
+    return show(report_linear(run_linear(reqs, spec, kw, a.warmup), a.output_dir, a.output_json))
 
 
 def layer_kinds(cfg: Any) -> dict[tuple[int, int], str]:
@@ -91,6 +105,9 @@ def time_alone(shape: Shape, dtype: torch.dtype, path: str, min_s: float = 0.02,
                max_reps: int = 50, weight_dtype: torch.dtype | None = None) -> float:
     """Median seconds of one call of ``shape`` on ``path``, weights cold (see module doc);
     ``weight_dtype``: the GEMM's 16-bit weights of a float32 layer (gemm_w16.cpp)."""
+    import torch
+    from torch.nn import functional as F
+
     m, n, k = shape
     copies = max(1, min(32, -(-COLD_BYTES // (n * k * dtype.itemsize))))
     ws = [torch.randn(n, k).mul_(0.02).to(dtype) for _ in range(copies)]
@@ -121,6 +138,9 @@ def time_alone(shape: Shape, dtype: torch.dtype, path: str, min_s: float = 0.02,
 
 def run_linear(reqs: list[BenchRequest], spec: WorkloadSpec, engine_kwargs: dict[str, Any],
                warmup: int = 4) -> dict[str, Any]:
+    import torch
+
+    from pagedllm import kernels
     from pagedllm.bench.baselines import EngineBackend
 
     # the hooks need the layers' modules called one by one; the two-op decoder layer runs the
@@ -191,6 +211,10 @@ def run_linear(reqs: list[BenchRequest], spec: WorkloadSpec, engine_kwargs: dict
 def fma_peak(reps: int = 3) -> float | None:
     """The machine's peak fp32 GFLOP/s at the kernels' ISA, the best of ``reps`` register-only
     FMA loops of ~0.1 s on every thread (load only ever lowers it); None without the kernels."""
+    import torch
+
+    from pagedllm import kernels
+
     if not kernels.available():
         return None
     ops = torch.ops.pagedllm

@@ -15,15 +15,36 @@ On a sliding-window model a third policy runs: ``paged, all blocks`` is the page
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
+from pagedllm.bench.command import add_workload_command_args, show, workload
 from pagedllm.bench.report import format_table, machine_info, plot, write_json
 from pagedllm.bench.workload import BenchRequest, WorkloadSpec, summarize
 
 KEEP = "paged, all blocks"  # the paged engine with free_window_blocks=False
 COLUMNS = ("policy", "peak_running", "mean_running", "kv_utilization", "steps", "elapsed_s",
            "num_preemptions")
+
+COMMAND = "memory"
+HELP = "paged vs contiguous at the same KV budget: concurrency and KV utilization over time"
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=["real", "replay"], default="real",
+                   help="real engines (default) or a model-free scheduler replay")
+    p.add_argument("--full-requests", type=int, default=8,
+                   help="without --num-kv-blocks: size the pool for this many max_model_len requests")
+    add_workload_command_args(p, 64)
+
+
+def run(a: argparse.Namespace) -> int:
+    kw, spec, reqs, cfg = workload(a)
+    nb = a.num_kv_blocks or default_num_blocks(cfg.scheduler.max_model_len, cfg.cache.block_size,
+                                               a.full_requests)
+    return show(report_memory(run_memory(reqs, spec, kw, nb, a.mode), a.output_dir,
+                              a.output_json, a.plot))
 
 
 def default_num_blocks(max_model_len: int, block_size: int, full_requests: int = 8) -> int:

@@ -6,9 +6,9 @@ False, warms both up, then runs the workload ``reps`` times per engine, interlea
 within the run (the ``chat`` workload: one shared system prompt, and multi-turn histories).
 
 Requests arrive all at t0 (``request_rate=inf``, the default) or by a seeded Poisson process;
-the offline loop adds each request once its arrival time has passed, with
-``arrival_time`` = that moment, so TTFT = ``metrics.first_token_time - metrics.arrival_time``
-includes queueing. Blocks become cacheable only after the step that computed them, so requests
+the offline loop (``engine.drive``) adds each request once its arrival time has passed, so TTFT
+= the return of the step that made its first token - the moment it was added: queueing
+included. Blocks become cacheable only after the step that computed them, so requests
 admitted in the same step as the first holder of a prefix miss it: a hit needs staggered
 arrivals or a workload larger than one step's token budget (``max_num_batched_tokens``).
 Reported per engine:
@@ -22,12 +22,14 @@ Reported per engine:
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from pagedllm.bench.command import add_workload_command_args, show, workload
 from pagedllm.bench.harness import interleaved, timing
 from pagedllm.bench.report import (
     format_table,
@@ -36,10 +38,29 @@ from pagedllm.bench.report import (
     plot,
     write_json,
 )
-from pagedllm.bench.workload import BenchRequest, WorkloadSpec, poisson_arrivals, summarize
+from pagedllm.bench.workload import BenchRequest, WorkloadSpec, submissions, summarize
 
 COLUMNS = ("prefix_caching", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "computed_prompt_tokens",
            "prompt_tokens", "prefix_cache_hit_rate", "requests_per_s", "output_tokens_per_s")
+
+
+COMMAND = "prefix"
+HELP = ("time to first token with prefix caching on vs off on a shared-system-prompt (chat) "
+        "workload, interleaved")
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reps", type=int, default=3, help="repetitions per setting (TTFT pooled, "
+                   "fastest for throughput)")
+    p.add_argument("--warmup", type=int, default=4, help="requests in each engine's warm-up run")
+    add_workload_command_args(p, 32, arrivals=True)
+    p.set_defaults(kind="chat", request_rate=math.inf)
+
+
+def run(a: argparse.Namespace) -> int:
+    kw, spec, reqs, _ = workload(a)
+    return show(report_prefix(run_prefix(reqs, spec, kw, a.reps, a.warmup), a.output_dir,
+                              a.output_json, a.plot))
 
 
 class _Engine:
@@ -50,44 +71,25 @@ class _Engine:
         self.engine = LLMEngine.from_args(**{**engine_kwargs, "enable_prefix_caching": caching})
 
     def run(self, reqs: list[BenchRequest], arrivals: list[float]) -> dict[str, Any]:
-        from pagedllm.sampling_params import SamplingParams
+        from pagedllm.engine.drive import Clock, drive
 
         eng = self.engine
         eng.kv.reset_prefix_cache()  # a repetition must not hit the previous one's blocks
         eng.kv.stats.reset()
-        prefill_tokens = 0  # prompt positions sent to the model (the steps' records)
         preempted_before = eng.num_preemptions
-        order = sorted(range(len(reqs)), key=lambda i: arrivals[i])
-        ttft: dict[int, float] = {}
-        outputs: dict[int, list[int]] = {}
-        nxt = 0
-        t0 = time.monotonic()
-        while nxt < len(order) or eng.has_unfinished_requests():
-            now = time.monotonic()
-            while nxt < len(order) and t0 + arrivals[order[nxt]] <= now:
-                i = order[nxt]
-                r = reqs[i]
-                eng.add_request(f"p{i}", {"prompt_token_ids": r.prompt_token_ids},
-                                SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
-                                               ignore_eos=True), arrival_time=now)
-                nxt += 1
-            if not eng.has_unfinished_requests():
-                time.sleep(max(0.0, t0 + arrivals[order[nxt]] - time.monotonic()))
-                continue
-            for o in eng.step():
-                i = int(o.request_id[1:])
-                m = o.metrics
-                if i not in ttft and m is not None and m.first_token_time is not None:
-                    ttft[i] = m.first_token_time - m.arrival_time
-                if o.finished:
-                    outputs[i] = list(o.outputs[0].token_ids)
-            prefill_tokens += eng.stats.num_prefill_tokens
-        elapsed = time.monotonic() - t0
+        prefill_tokens = [0]  # prompt positions sent to the model (the steps' records)
+
+        def on_step(outs: list[Any]) -> None:
+            prefill_tokens[0] += eng.stats.num_prefill_tokens
+
+        subs = submissions(eng, reqs, arrivals, prefix="p")
+        res = drive(eng, subs, Clock(time.monotonic), on_step)
+        ids = [r.request_id for r in subs]
         return {
-            "elapsed_s": elapsed,
-            "ttft_s": [ttft[i] for i in range(len(reqs))],
-            "outputs": [outputs[i] for i in range(len(reqs))],
-            "computed_prompt_tokens": prefill_tokens,
+            "elapsed_s": res.elapsed,
+            "ttft_s": [res.first_token[i] - res.added[i] for i in ids],
+            "outputs": [list(o.outputs[0].token_ids) for o in res.in_order(ids)],
+            "computed_prompt_tokens": prefill_tokens[0],
             "hit_rate": eng.kv.stats.hit_rate,
             "num_preemptions": eng.num_preemptions - preempted_before,
         }
@@ -98,12 +100,11 @@ def run_prefix(
     spec: WorkloadSpec,
     engine_kwargs: dict[str, Any],
     reps: int = 3,
-    request_rate: float = math.inf,
     warmup: int = 4,
-    seed: int = 0,
 ) -> dict[str, Any]:
+    """Arrivals: ``spec.arrivals`` (``--request-rate``; inf, the default: all at t0)."""
     engines = [_Engine(engine_kwargs, True), _Engine(engine_kwargs, False)]
-    arrivals = poisson_arrivals(len(reqs), request_rate, seed)
+    arrivals = spec.arrivals(reqs)
     warm = (lambda e: e.run(reqs[:warmup], [0.0] * min(warmup, len(reqs)))) if warmup else None
     runs = dict(zip((True, False), interleaved(engines, lambda e: e.run(reqs, arrivals), reps, warm)))
 
@@ -144,7 +145,7 @@ def run_prefix(
         },
         "greedy_output_agreement": agree / len(reqs) if reqs else 1.0,
         "reps": reps,
-        "request_rate": request_rate,
+        "request_rate": spec.request_rate,
         "order": "interleaved: rep r runs the engines rotated by r",
         "workload": {**spec.describe(), **summarize(reqs)},
         "engine": {k: v for k, v in engine_kwargs.items()

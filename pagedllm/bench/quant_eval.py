@@ -179,17 +179,23 @@ def markdown(rows: list[Row], budget: str) -> str:
     return "\n".join(lines)
 
 
-def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default=None, help="HF checkpoint directory (default: the shipped model)")
+COMMAND = "kv-quant"
+HELP = ("quantized KV (int8 / fp8, K and V separately) vs the unquantized cache: top-1 agreement, "
+        "perplexity, greedy agreement, bytes/token, capacity")
+
+
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
+    from pagedllm.args import EngineArgs
+
     ap.add_argument("--text", default=None, help="evaluate on this text file instead of the held-out split")
     ap.add_argument("--windows", type=int, default=8, help="teacher-forced windows")
     ap.add_argument("--window-len", type=int, default=256)
     ap.add_argument("--greedy", type=int, default=16, help="greedy prompts")
     ap.add_argument("--greedy-tokens", type=int, default=64)
     ap.add_argument("--budget", default="64MiB", help="KV budget for the tokens-that-fit column")
-    ap.add_argument("--attention-backend", default=None)
-    ap.add_argument("--dtype", default="auto", help="model dtype (K/V 'auto' storage follows it)")
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
+    # the model, its dtype (K/V 'auto' storage follows it) and the attention backend
+    EngineArgs.add_cli_args(ap, only=("model", "dtype", "attention_backend"))
 
 
 def run(a: argparse.Namespace) -> int:
@@ -204,7 +210,7 @@ def run(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m pagedllm.bench.quant_eval`` (the same as ``pagedllm bench kv-quant``)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(ap)
+    add_cli_args(ap)
     return run(ap.parse_args(argv))
 
 if __name__ == "__main__":

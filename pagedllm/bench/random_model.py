@@ -23,6 +23,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from pagedllm.choices import SUPPORTED_DTYPES
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Llama-3.2-1B's body (hidden 2048, 16 layers, 32 q / 8 kv heads of 64, MLP 8192) with the
     # 4096-token vocab: 16 x (attention 10.49M + MLP 50.33M) + 2 x 4096 x 2048 ~= 0.99B
@@ -78,8 +80,8 @@ def build_random_model(out: str | Path, preset: str = "100m", tokenizer: str | N
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     dtype = dtype or PRESET_DTYPES.get(preset, "float32")
-    if dtype not in ("float32", "float16", "bfloat16"):
-        raise ValueError(f"dtype {dtype!r}: choose float32, float16 or bfloat16")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose {', '.join(SUPPORTED_DTYPES)}")
     tok_dir = Path(tokenizer or default_model_path())
     tok = get_tokenizer(str(tok_dir))
     out = Path(out)
@@ -114,12 +116,17 @@ def build_random_model(out: str | Path, preset: str = "100m", tokenizer: str | N
     return sum(p.numel() for p in model.parameters())
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
+COMMAND = "random-model"
+HELP = "write a random-weight Llama checkpoint (presets: 100m, 1b, tiny)"
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+
     p.add_argument("out", type=Path, help="output checkpoint directory")
     p.add_argument("--preset", choices=sorted(PRESETS), default="100m")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the shipped model)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+    p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default=None,
                    help="storage dtype (default: bfloat16 for 1b, float32 otherwise)")
     p.add_argument("--device", default="cpu",
                    help="where the random init runs (cuda is much faster for 1b); saved from CPU")
@@ -128,7 +135,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    """The command for parsed ``add_args`` flags (``pagedllm bench random-model`` and ``main``)."""
+    """The command for parsed ``add_cli_args`` flags (``pagedllm bench random-model`` and ``main``)."""
     n = build_random_model(a.out, a.preset, a.tokenizer, a.seed, a.dtype, a.device,
                            a.sliding_window)
     arch = "" if a.sliding_window is None else f", Mistral with sliding window {a.sliding_window}"
@@ -138,7 +145,7 @@ def run(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(p)
+    add_cli_args(p)
     return run(p.parse_args(argv))
 
 

@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedllm import envs
+
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str],
                  headers: Sequence[str] | None = None) -> str:
@@ -42,7 +44,7 @@ def machine_info() -> dict[str, Any]:
     info["cpu_model"] = kernels.cpu_model()
     info["cpu_flags"] = " ".join(sorted(kernels.cpu_flags()))
     try:  # the ISA the CPU kernels are (or would be) built for: PAGEDLLM_ISA or this CPU's best
-        info["pagedllm_isa"] = kernels.choose_isa(os.environ.get("PAGEDLLM_ISA", "auto"),
+        info["pagedllm_isa"] = kernels.choose_isa(envs.get("PAGEDLLM_ISA") or "auto",
                                                   kernels.cpu_flags())
     except ValueError as e:
         info["pagedllm_isa"] = str(e)
@@ -54,12 +56,17 @@ def machine_info() -> dict[str, Any]:
         info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
-    try:
-        with open("/proc/loadavg") as f:
-            info["loadavg_at_start"] = f.read().split()[:3]
-    except OSError:
-        pass
+    if (load := loadavg()) is not None:
+        info["loadavg_at_start"] = load
     return info
+
+
+def loadavg() -> list[str] | None:
+    """The 1, 5 and 15 minute load averages, as /proc/loadavg writes them ("1.23")."""
+    try:
+        return [f"{x:.2f}" for x in os.getloadavg()]
+    except OSError:  # not available on this platform
+        return None
 
 
 def write_json(path: str | Path, obj: Any) -> Path:

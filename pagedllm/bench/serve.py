@@ -265,10 +265,19 @@ def run_serve_backends(a: Any, model: str, reqs: list[BenchRequest], tokenizer: 
     return [write_json(a.output_json or a.output_dir / name, res)]
 
 
+COMMAND = "serve"
+HELP = "online latency against a running `pagedllm serve` (HTTP)"
+
+
 def add_cli_args(p: Any) -> None:
-    """``bench serve``'s own flags (the workload's and the output's are bench/cli.py's)."""
+    """``bench serve``'s flags: its own, the workload's, the output's, and the engine's
+    --model / --tokenizer (the prompts' tokenizer), --max-model-len (caps prompt + output) and
+    --seed."""
+    from pagedllm.args import EngineArgs
+    from pagedllm.bench.command import add_output_args
     from pagedllm.bench.serve_backends import add_backend_args
     from pagedllm.bench.serve_sets import add_set_args
+    from pagedllm.bench.workload import WorkloadSpec
 
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--request-rate", type=float, default=math.inf,
@@ -283,11 +292,30 @@ def add_cli_args(p: Any) -> None:
     p.add_argument("--use-trace-arrivals", action="store_true",
                    help="--workload trace: use the trace's arrival_time instead of Poisson")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
-    p.add_argument("--model", default=None,
-                   help="checkpoint whose tokenizer builds the prompts (default: the shipped model)")
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="cap prompt+output length (default: the model's max_position_embeddings)")
-    p.add_argument("--seed", type=int, default=0)
+    EngineArgs.add_cli_args(p, only=("model", "tokenizer", "max_model_len", "seed"))
     add_backend_args(p)
     add_set_args(p)
+    WorkloadSpec.add_cli_args(p, 64)
+    add_output_args(p)
+
+
+def run(a: Any) -> int:
+    from pagedllm.bench.command import prepare, show
+    from pagedllm.bench.workload import WorkloadSpec, make_workload, vocab_ids
+    from pagedllm.config import ModelConfig, default_model_path
+    from pagedllm.tokenizer import get_tokenizer
+
+    prepare(a)
+    model = a.model or default_model_path()
+    mcfg = ModelConfig.from_hf(model)
+    tok = get_tokenizer(a.tokenizer or model)
+    spec = WorkloadSpec(**{**WorkloadSpec.cli_kwargs(a),
+                           "max_model_len": a.max_model_len or mcfg.max_position_embeddings})
+    reqs = make_workload(spec, vocab_ids(tok, min(len(tok), mcfg.vocab_size)), tok)
+    if a.backends or a.policies or a.serve_args:
+        return show(run_serve_backends(a, model, reqs, tok, spec.describe()))
+    res = run_serve(a.base_url, reqs, a.request_rate, a.max_concurrency, a.served_model_name,
+                    a.slo_ttft_ms, a.slo_tpot_ms, a.slo_e2e_ms, a.prompt_format, a.seed,
+                    a.timeout, tok, a.use_trace_arrivals)
+    res["workload"] = {**spec.describe(), **res["workload"]}
+    return show(report_serve(res, a.output_dir, a.output_json, a.plot))

@@ -13,10 +13,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import IO
-
-from pagedllm.bench.vllm_worker import proc_stats, process_tree
 
 
 @contextmanager
@@ -81,14 +78,19 @@ def serve_subprocess(args: list[str], log: IO[str] | None = None, timeout: float
 
 def rss_mib(pid: int) -> float | None:
     """Resident memory of a process and its live descendants (``pagedllm serve`` runs its
-    engine core in a child), summed (Linux /proc); None elsewhere. Pages both map (shared
-    libraries) count twice: an upper bound, steady from one sample to the next."""
+    engine core in a child), summed; None when it is gone. Pages both map (shared libraries)
+    count twice: an upper bound, steady from one sample to the next."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
     total = None
-    for p in process_tree(pid, proc_stats()):
+    for p in procs:
         try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total = (total or 0.0) + int(line.split()[1]) / 1024
-        except OSError:  # exited meanwhile, or no /proc
+            total = (total or 0.0) + p.memory_info().rss / 2**20
+        except psutil.Error:  # exited meanwhile
             continue
     return total

@@ -267,7 +267,7 @@ def run_soak(model: str | None, num_requests: int, time_limit: float | None, con
     output_dir.mkdir(parents=True, exist_ok=True)
     args = [*([model] if model else []), "--num-kv-blocks", str(num_kv_blocks), "--log-level",
             "warning", *serve_args]
-    env = {**os.environ, "PAGEDLLM_LOG_LEVEL": os.environ.get("PAGEDLLM_LOG_LEVEL", "WARNING")}
+    env = {"PAGEDLLM_LOG_LEVEL": "WARNING", **os.environ}  # the user's level, else warnings only
     with open(output_dir / "soak-server.log", "w") as log, \
             serve_subprocess(args, log=log, env=env) as (proc, base):
         t0 = time.monotonic()
@@ -360,22 +360,30 @@ def _pct(v: float | None) -> str:
     return "n/a" if v is None else f"{v:+.1f} %"
 
 
-def add_args(p: Any) -> None:
-    p.add_argument("--model", default=None, help="checkpoint to serve (default: the shipped model)")
+COMMAND = "soak"
+HELP = ("long mixed traffic (random sampling, n, stops, disconnects, bad requests) against a "
+        "`pagedllm serve` subprocess: 5xx, RSS, idle KV blocks, p99 drift")
+
+
+def add_cli_args(p: Any) -> None:
+    """Soak's own flags, and the engine's --model (the checkpoint served), --seed (the
+    traffic's) and --num-kv-blocks (the server's pool: explicit, so idle blocks can be
+    counted; default 1024)."""
+    from pagedllm.args import EngineArgs
+
     p.add_argument("--num-requests", type=int, default=20000)
     p.add_argument("--time-limit", type=float, default=None,
                    help="stop issuing requests after this many seconds (report N reached)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at all times")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--disconnect-fraction", type=float, default=0.10)
     p.add_argument("--invalid-fraction", type=float, default=0.05)
-    p.add_argument("--num-kv-blocks", type=int, default=1024,
-                   help="the server's KV pool (explicit, so idle blocks can be counted)")
     p.add_argument("--hostile-rounds", type=int, default=5,
                    help="rounds of hostile input after the traffic, RSS sampled idle after each "
                    "(0: none)")
     p.add_argument("--serve-args", default="", help="more `pagedllm serve` flags, one string")
     p.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    EngineArgs.add_cli_args(p, only=("model", "seed", "num_kv_blocks"))
+    p.set_defaults(num_kv_blocks=1024)
 
 
 def run(a: Any) -> int:

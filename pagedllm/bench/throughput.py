@@ -11,18 +11,61 @@ baseline and HF generate on the same GPU; see ``baselines`` for the dtype HF use
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 from typing import Any
 
-from pagedllm.bench.baselines import make_backend
+from pagedllm.bench.baselines import BACKENDS, make_backend, parse_backend, split_backends
+from pagedllm.bench.command import add_workload_command_args, show, workload
 from pagedllm.bench.device import device_name
 from pagedllm.bench.harness import interleaved, timing
 from pagedllm.bench.report import format_table, machine_info, plot, write_json
-from pagedllm.bench.vllm_backend import make_vllm_backend
+from pagedllm.bench.vllm_backend import find_vllm_python, make_vllm_backend
 from pagedllm.bench.workload import BenchRequest, WorkloadSpec, summarize
 
 COLUMNS = ("backend", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "elapsed_s",
            "peak_running", "num_preemptions", "num_steps", "kv_utilization")
+
+COMMAND = "throughput"
+HELP = ("offline throughput: pagedllm vs HF transformers vs contiguous reservation (vs vLLM when "
+        "installed), interleaved")
+DESCRIPTION = ("All backends run on --device at the dtype the engine resolves from --dtype "
+               "(auto = the checkpoint's); on a GPU pass --device cuda --dtype bfloat16.")
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backends", default=None,
+                   help="comma-separated: pagedllm, pagedllm-json, hf, contiguous, vllm (default: "
+                   "pagedllm,hf,contiguous, plus vllm when --vllm-python, $PAGEDLLM_VLLM_PYTHON "
+                   "or this Python has vllm); a variant 'pagedllm[max_num_seqs=128,fused_ops="
+                   "false]' runs the engine with those settings, interleaved with the others")
+    p.add_argument("--vllm-python", default=None,
+                   help="the Python of a venv with vllm installed (its own torch); the vllm "
+                   "backend runs there in a subprocess (default: $PAGEDLLM_VLLM_PYTHON)")
+    p.add_argument("--vllm-kwargs", type=json.loads, default=None,
+                   help="JSON object of extra vllm.LLM arguments, e.g. '{\"max_num_seqs\": 64}' "
+                   "(default: vLLM's own defaults; dtype and max_model_len follow the engine)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per backend (the fastest is reported)")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="HF generate static batch size")
+    p.add_argument("--warmup", type=int, default=4, help="requests in each backend's warm-up run")
+    p.add_argument("--json-schema", default=None, metavar="FILE", help="backend pagedllm-json: "
+                   "this schema on every request (default: records that run to max_tokens)")
+    add_workload_command_args(p, 64)
+
+
+def run(a: argparse.Namespace) -> int:
+    if a.backends is None:
+        a.backends = "pagedllm,hf,contiguous" + (",vllm" if find_vllm_python(a.vllm_python) else "")
+    names = split_backends(a.backends)
+    bad = [b for b in names if parse_backend(b)[0] not in BACKENDS]
+    if bad or not names or len(set(names)) != len(names):
+        raise ValueError(f"--backends {a.backends!r}: choose distinct names from {', '.join(BACKENDS)}")
+    kw, spec, reqs, _ = workload(a)
+    schema = None if a.json_schema is None else json.loads(Path(a.json_schema).read_text())
+    res = run_throughput(reqs, spec, kw, names, a.reps, a.hf_batch_size, a.warmup,
+                         a.vllm_python, a.vllm_kwargs, schema)
+    return show(report_throughput(res, a.output_dir, a.output_json, a.plot))
 
 
 def run_throughput(

@@ -1,12 +1,13 @@
-"""TP=1 vs TP=N: tokens/s, and what each step spends on communication.
+"""``bench tp``: TP=1 vs TP=N: tokens/s, and what each step spends on communication.
 
-    python -m pagedllm.bench.tp --model DIR [--tp 1,2] [--num-prompts 8]
+    pagedllm bench tp [--model DIR] [--tp 1,2] [--num-prompts 8]
         [--prompt-len 64] [--max-tokens 32] [--json out.json]
 
-Every run uses the same token-id prompts and greedy decoding; the engine is stepped by hand so
-each step's all-reduce bytes/time and control bytes/time (rank 0's view) are recorded, split
-into steps with prefill tokens and pure decode steps (from the step's record). Sizes run
-interleaved, ``--reps`` times each (``bench.harness``), the fastest run reported. Threads: TP=1 uses every core; TP=N gives
+Every run uses the same prompts (the seeded ``fixed`` workload) and greedy decoding; after each
+step (``engine.drive``'s ``on_step``) its all-reduce bytes/time and control bytes/time (rank 0's
+view) are recorded, split into steps with prefill tokens and pure decode steps (from the step's
+record). Sizes run interleaved, ``--reps`` times each (``bench.harness``), the fastest run
+reported. Threads: TP=1 uses every core; TP=N gives
 each rank cores/N (rank 0 in this process, the workers likewise).
 
 Cost model of one step of T tokens on N ranks: 2 all-reduces per layer of a [T, hidden] tensor,
@@ -21,13 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-
 from pagedllm.bench.harness import interleaved
+
+COMMAND = "tp"
+HELP = "tensor parallelism: TP=1 vs TP=N tokens/s and per-step communication"
 
 
 @dataclass
@@ -72,8 +73,11 @@ class TPResult:
 def run_tp(model: str, tp: int, num_prompts: int, prompt_len: int, max_tokens: int,
            threads: int | None = None, **engine_kwargs: Any) -> TPResult:
     """``threads``: torch threads of rank 0 (default: cores / tp); workers use cores / tp."""
+    import torch
+
+    from pagedllm.bench.workload import BenchRequest, WorkloadSpec, make_workload, submissions
     from pagedllm.engine import LLMEngine
-    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.engine.drive import drive
 
     cores = os.cpu_count() or 1
     threads = threads or max(1, cores // tp)
@@ -81,33 +85,31 @@ def run_tp(model: str, tp: int, num_prompts: int, prompt_len: int, max_tokens: i
     torch.set_num_threads(threads)
     engine = LLMEngine.from_args(model=model, tensor_parallel_size=tp, **engine_kwargs)
     try:
-        vocab = engine.config.model.vocab_size
-        prompts = [[(7 + 13 * i + 31 * j) % vocab for j in range(prompt_len)] for i in range(num_prompts)]
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        engine.add_request("warmup", {"prompt_token_ids": prompts[0][:8]}, SamplingParams(max_tokens=2))
-        while engine.has_unfinished_requests():
-            engine.step()
-        for i, p in enumerate(prompts):
-            engine.add_request(f"b{i}", {"prompt_token_ids": p}, sp)
+        cfg = engine.config
+        spec = WorkloadSpec("fixed", num_prompts, max_model_len=cfg.scheduler.max_model_len,
+                            input_len=prompt_len, output_len=max_tokens)
+        reqs = make_workload(spec, list(range(cfg.model.vocab_size)))
+        drive(engine, submissions(engine, [BenchRequest(reqs[0].prompt_token_ids[:8], 2)],
+                                  prefix="warmup"))
         stats = getattr(engine.executor, "comm_stats", None)
         kinds = {"prefill": StepKind(), "decode": StepKind()}
-        t_start = time.perf_counter()
-        while engine.has_unfinished_requests():
-            before = asdict(stats) if stats is not None else None
-            engine.step()
+        last: dict[str, Any] = asdict(stats) if stats is not None else {}  # the counters so far
+
+        def on_step(outs: list[Any]) -> None:
             rec = engine.stats
             k = kinds["decode" if rec.num_scheduled_tokens == rec.num_scheduled_requests
                       else "prefill"]
             k.steps += 1
             k.tokens += rec.num_scheduled_tokens
             k.seconds += rec.step_time_s
-            if stats is not None and before is not None:
-                k.allreduce_calls += stats.allreduce_calls - before["allreduce_calls"]
-                k.allreduce_bytes += stats.allreduce_bytes - before["allreduce_bytes"]
-                k.allreduce_seconds += stats.allreduce_seconds - before["allreduce_seconds"]
-                k.control_bytes += stats.control_bytes - before["control_bytes"]
-                k.control_seconds += stats.control_seconds - before["control_seconds"]
-        wall = time.perf_counter() - t_start
+            if stats is not None:
+                now = asdict(stats)
+                for f in ("allreduce_calls", "allreduce_bytes", "allreduce_seconds",
+                          "control_bytes", "control_seconds"):
+                    setattr(k, f, getattr(k, f) + now[f] - last[f])
+                last.update(now)
+
+        wall = drive(engine, submissions(engine, reqs, prefix="b"), on_step=on_step).elapsed
         m = engine.config.model
         elem = m.dtype_bytes
         out_total = num_prompts * max_tokens
@@ -124,27 +126,40 @@ def run_tp(model: str, tp: int, num_prompts: int, prompt_len: int, max_tokens: i
         torch.set_num_threads(old_threads)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="HF checkpoint directory")
-    ap.add_argument("--tp", default="1,2", help="comma-separated tensor-parallel sizes")
+def add_cli_args(ap: argparse.ArgumentParser) -> None:
+    from pagedllm.args import EngineArgs
+    from pagedllm.bench.command import int_list
+
+    ap.add_argument("--tp", type=int_list, default=(1, 2), help="comma-separated tensor-parallel sizes")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of the engine process (default: cores / tp)")
     ap.add_argument("--reps", type=int, default=1, help="runs per size; the fastest is reported")
     ap.add_argument("--json", default=None, help="also write the results here")
-    a = ap.parse_args(argv)
-    sizes = [int(x) for x in a.tp.split(",")]
+    EngineArgs.add_cli_args(ap, only=("model", "block_size"))
 
-    def run(tp: int) -> TPResult:
-        return run_tp(a.model, tp, a.num_prompts, a.prompt_len, a.max_tokens, a.threads,
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pagedllm.bench.tp`` (the same as ``pagedllm bench tp``)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cli_args(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(a: argparse.Namespace) -> int:
+    from pagedllm.config import default_model_path
+
+    sizes = list(a.tp)
+    model = a.model or default_model_path()
+
+    def one(tp: int) -> TPResult:
+        return run_tp(model, tp, a.num_prompts, a.prompt_len, a.max_tokens, a.threads,
                       block_size=a.block_size, max_model_len=a.prompt_len + a.max_tokens + 8)
 
     results = []
-    for tp, runs in zip(sizes, interleaved(sizes, run, a.reps)):
+    for tp, runs in zip(sizes, interleaved(sizes, one, a.reps)):
         r = min(runs, key=lambda x: x.wall_s)  # the fastest (bench.harness)
         results.append(r)
         d = r.decode

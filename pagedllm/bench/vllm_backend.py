@@ -44,9 +44,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from pagedllm import _hugepages, _openmp
+from pagedllm import _hugepages, _openmp, envs
 from pagedllm.bench.baselines import RunResult
-from pagedllm.bench.vllm_worker import proc_stats
 from pagedllm.bench.workload import BenchRequest
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -59,8 +58,9 @@ def find_vllm_python(explicit: str | None = None) -> str | None:
     """``explicit``, else ``$PAGEDLLM_VLLM_PYTHON``, else this Python when it can import vllm."""
     import importlib.util
 
-    if explicit or os.environ.get("PAGEDLLM_VLLM_PYTHON"):
-        return explicit or os.environ["PAGEDLLM_VLLM_PYTHON"]
+    found = explicit or envs.get("PAGEDLLM_VLLM_PYTHON")
+    if found:
+        return found
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
 
@@ -158,11 +158,20 @@ class VllmBackend:
         return reply
 
 
-def group_cpu_ticks(pgid: int) -> int | None:
-    """Clock ticks (user + system, all threads) of the live processes of process group ``pgid``;
-    None when it has none or there is no /proc."""
-    ticks = [t for _, group, t in proc_stats().values() if group == pgid]
-    return sum(ticks) if ticks else None
+def group_cpu_s(pgid: int) -> float | None:
+    """CPU seconds (user + system, all threads) of the live processes of process group ``pgid``;
+    None when it has none."""
+    import psutil
+
+    found = None
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid:
+                t = p.cpu_times()
+                found = (found or 0.0) + t.user + t.system
+        except (ProcessLookupError, psutil.Error):  # exited meanwhile
+            continue
+    return found
 
 
 def wait_until_idle(pgid: int, window_s: float = IDLE_WINDOW_S,
@@ -170,12 +179,11 @@ def wait_until_idle(pgid: int, window_s: float = IDLE_WINDOW_S,
     """Wait until process group ``pgid`` used at most ``IDLE_CORES`` of a core over a whole
     ``window_s``, at most ``limit_s``; returns the seconds waited."""
     t0 = time.perf_counter()
-    hz = os.sysconf("SC_CLK_TCK")
-    prev = group_cpu_ticks(pgid)
+    prev = group_cpu_s(pgid)
     while prev is not None and time.perf_counter() - t0 < limit_s:
         time.sleep(window_s)
-        cur = group_cpu_ticks(pgid)
-        if cur is None or (cur - prev) / hz <= IDLE_CORES * window_s:
+        cur = group_cpu_s(pgid)
+        if cur is None or cur - prev <= IDLE_CORES * window_s:
             break
         prev = cur
     return time.perf_counter() - t0

@@ -83,53 +83,32 @@ def _run(llm: Any, requests: list[list[Any]]) -> dict[str, Any]:
 
 
 def _machine_busy_s() -> float | None:
-    """CPU seconds every process on the machine has spent busy, from /proc/stat's first line
-    (pagedllm/_openmp.py reads it the same way; this file cannot import pagedllm)."""
+    """CPU seconds every process on the machine has spent busy (pagedllm/_openmp.py counts the
+    same way; this file cannot import pagedllm, psutil comes with vLLM); None without psutil."""
     try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:9]]
-        return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+        import psutil
+    except ImportError:
         return None
-
-
-def proc_stats() -> dict[int, tuple[int, int, int]]:
-    """pid -> (parent, process group, CPU clock ticks: user + system, all threads) of every live
-    process, from /proc; empty where there is no /proc (the backend reads it too)."""
-    stats: dict[int, tuple[int, int, int]] = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return stats
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            stats[int(name)] = (int(fields[1]), int(fields[2]), int(fields[11]) + int(fields[12]))
-        except (OSError, ValueError, IndexError):  # exited meanwhile
-            continue
-    return stats
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + sum(getattr(t, k, 0.0) for k in ("irq", "softirq", "steal"))
 
 
 def _tree_cpu_s() -> float | None:
     """CPU seconds of this process and its live descendants (vLLM's engine core runs in a
-    child); None where there is no /proc."""
-    stats = proc_stats()
-    if not stats:
+    child); None without psutil."""
+    try:
+        import psutil
+    except ImportError:
         return None
-    return sum(stats[p][2] for p in process_tree(os.getpid(), stats)) / os.sysconf("SC_CLK_TCK")
-
-
-def process_tree(pid: int, stats: dict[int, tuple[int, int, int]]) -> set[int]:
-    """``pid`` and its live descendants, among ``stats`` (``proc_stats()``)."""
-    tree, grew = {pid}, True
-    while grew:
-        new = {p for p, (parent, _, _) in stats.items() if parent in tree} - tree
-        tree |= new
-        grew = bool(new)
-    return tree & stats.keys()
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:  # exited meanwhile
+            continue
+        total += t.user + t.system
+    return total
 
 
 def _die_with_parent() -> None:

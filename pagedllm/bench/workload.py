@@ -32,12 +32,16 @@ prompt once.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+from pagedllm.flags import add_flags, setting
 
 WORKLOADS = ("longtail", "fixed", "chat", "trace", "code", "multi-tenant")
 
@@ -54,30 +58,62 @@ class BenchRequest:
         return len(self.prompt_token_ids)
 
 
+W = "workload"  # the flags' help section
+
+
 @dataclass(frozen=True)
 class WorkloadSpec:
-    kind: str = "longtail"
-    num_prompts: int = 64
+    """One workload, as ``bench`` and ``plan`` take it: each field with a help text is a flag
+    (``add_cli_args``); ``seed`` and ``max_model_len`` are the engine's."""
+
+    kind: str = setting("longtail", "what the requests look like", group=W, choices=WORKLOADS,
+                        flag="--workload")
+    num_prompts: int = setting(64, "requests in the workload", group=W)
     seed: int = 0
     max_model_len: int = 512
     # longtail
-    prompt_median: float = 96.0
-    prompt_sigma: float = 0.8
-    output_median: float = 64.0
-    output_sigma: float = 0.9
+    prompt_median: float = setting(96.0, "longtail: median prompt length", group=W)
+    prompt_sigma: float = setting(0.8, "longtail: log-normal sigma", group=W)
+    output_median: float = setting(64.0, "longtail: median output length", group=W)
+    output_sigma: float = setting(0.9, "longtail: log-normal sigma", group=W)
     min_len: int = 4
     # fixed
-    input_len: int = 128
-    output_len: int = 128
+    input_len: int = setting(128, "fixed: prompt length", group=W)
+    output_len: int = setting(128, "fixed / chat: output length", group=W)
     # chat
-    system_len: int = 128
-    turns: int = 4
-    user_len: int = 32
-    # multi-tenant (system_len, user_len, output_len as chat's)
-    num_tenants: int = 8
-    users_per_tenant: int | None = None  # None: num_prompts spread over the tenants
+    system_len: int = setting(128, "chat / multi-tenant: shared system prompt length", group=W)
+    turns: int = setting(4, "chat: turns per conversation", group=W)
+    user_len: int = setting(32, "chat: tokens per user/assistant message; multi-tenant: per question", group=W)
+    num_tenants: int = setting(8, "multi-tenant: system prompts", group=W)
+    users_per_tenant: int | None = setting(
+        None, "multi-tenant: requests per system prompt (default: --num-prompts spread over the "
+        "tenants)", group=W)
     # trace
-    trace: str | None = None
+    trace: str | None = setting(None, "JSONL trace for --workload trace", group=W)
+    # arrivals (only the commands that pass ``arrivals=True`` take the flag)
+    request_rate: float | None = setting(
+        None, "Poisson arrivals, requests/s; inf: all at once (unset: the trace's arrival_time, "
+        "else all at once)", group=W)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, num_prompts: int,
+                     arrivals: bool = False) -> None:
+        """The workload flags, ``--num-prompts`` defaulting to ``num_prompts``; ``arrivals``:
+        also ``--request-rate``."""
+        names = [f.name for f in fields(WorkloadSpec) if "help" in f.metadata]
+        add_flags(parser, WorkloadSpec, {W: "workload (seeded; see pagedllm.bench.workload)"},
+                  only=names if arrivals else [n for n in names if n != "request_rate"])
+        parser.set_defaults(num_prompts=num_prompts)
+
+    @staticmethod
+    def cli_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+        """The spec's fields ``add_cli_args`` put into ``ns``, and the engine's seed."""
+        kw = {f.name: getattr(ns, f.name) for f in fields(WorkloadSpec)
+              if "help" in f.metadata and hasattr(ns, f.name)}
+        return {**kw, "seed": ns.seed}
+
+    def arrivals(self, reqs: list[BenchRequest]) -> list[float]:
+        return arrivals(reqs, self.request_rate, self.seed)
 
     def describe(self) -> dict[str, Any]:
         d = asdict(self)
@@ -220,6 +256,30 @@ def code_prompts(tokenizer: Any, n: int, prompt_len: int) -> list[list[int]]:
     if not out:
         raise ValueError(f"no held-out file has --prompt-len {prompt_len} tokens; lower it")
     return [out[i % len(out)] for i in range(n)]
+
+
+def submissions(engine: Any, reqs: list[BenchRequest], times: list[float] | None = None,
+                prefix: str = "w", **params: Any) -> list[Any]:
+    """``reqs`` as requests for ``drive``: greedy, ``ignore_eos`` (outputs of exactly
+    ``max_tokens``), ids ``{prefix}{index}``, arriving at ``times`` (default: all at once);
+    ``params``: more ``SamplingParams`` fields."""
+    from pagedllm.engine.drive import Submission
+    from pagedllm.sampling_params import SamplingParams
+
+    at = times or [0.0] * len(reqs)
+    return [Submission(f"{prefix}{i}", partial(
+        engine.add_request, prompt={"prompt_token_ids": r.prompt_token_ids},
+        params=SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True,
+                              **params)), at[i])
+        for i, r in enumerate(reqs)]
+
+
+def arrivals(reqs: list[BenchRequest], rate: float | None, seed: int) -> list[float]:
+    """Arrival times (s from the start) of ``reqs``: Poisson at ``rate`` requests/s (inf: all
+    at 0), or with ``rate`` None each request's ``arrival_time`` (a trace's), else 0."""
+    if rate is None:
+        return [r.arrival_time or 0.0 for r in reqs]
+    return poisson_arrivals(len(reqs), rate, seed)
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:

@@ -7,6 +7,7 @@
     output.py       the front end's detokenization, stop strings (an abort to the core), logprobs,
                     RequestOutputs (cumulative, delta, final)
     beam.py         beam search as a kind of request, advanced inside the core's step()
+    drive.py        drive(): the one offline loop over a workload (LLM, generate, bench, planner)
 
     messages.py     EngineCoreRequest / EngineCoreOutputs: plain data (msgspec) to and from the core
     core_proc.py    CoreService (EngineCore behind messages), the busy loop, the core process

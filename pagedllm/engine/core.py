@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from pagedllm.args import EngineArgs
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam import MAX_BEAM_WIDTH, BeamSearch
+from pagedllm.engine.drive import Submission, drive
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input import PromptType, load_prompts
 from pagedllm.engine.messages import EngineCoreRequest
@@ -221,10 +223,10 @@ class LLMEngine:
             raise RuntimeError("preheat needs an idle engine")
         ids = [self.input.tokenize(p)[1] for p in items]
         sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        for i, tok in enumerate(ids):
-            self.add_request(f"__preheat__/{i}", {"prompt_token_ids": tok}, sp)
-        while self.has_unfinished_requests():
-            self.step()
+        drive(self, [Submission(f"__preheat__/{i}", partial(self.add_request,
+                                                            prompt={"prompt_token_ids": tok},
+                                                            params=sp))
+                     for i, tok in enumerate(ids)])
         pinned = sum(self.kv.pin(tok) for tok in ids)
         self.kv.stats.reset()
         logger.info("preheated %d prompts: %d KV blocks pinned", len(ids), pinned)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
+from functools import partial
 
 from pagedllm.args import EngineArgs
 from pagedllm.config import default_model_path
@@ -13,6 +13,8 @@ from pagedllm.flags import ArgParser
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from pagedllm.engine import LLMEngine
+    from pagedllm.engine.drive import Submission, drive
+    from pagedllm.outputs import CompletionOutput, RequestOutput
     from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
     params = SamplingParams(
@@ -29,21 +31,23 @@ def cmd_generate(a: argparse.Namespace) -> int:
     )
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli(a))
     out = sys.stdout
+    deltas: list[CompletionOutput] = []
+
+    def stream(outs: list[RequestOutput]) -> None:
+        for o in outs:
+            delta = o.outputs[0]  # new text; held back while it may begin a stop string
+            out.write(delta.text)
+            out.flush()
+            deltas.append(delta)
+
     for i, prompt in enumerate(a.prompt):
-        rid = f"cli-{i}"
-        engine.add_request(rid, prompt, params)
         out.write(prompt)
         out.flush()
-        t0 = time.perf_counter()
-        n_tokens, reason = 0, None
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                delta = o.outputs[0]  # new text; held back while it may begin a stop string
-                out.write(delta.text)
-                out.flush()
-                n_tokens += len(delta.token_ids)
-                reason = delta.finish_reason
-        dt = time.perf_counter() - t0
+        deltas.clear()
+        add = partial(engine.add_request, prompt=prompt, params=params)
+        dt = drive(engine, [Submission(f"cli-{i}", add)], on_step=stream).elapsed
+        n_tokens = sum(len(d.token_ids) for d in deltas)
+        reason = deltas[-1].finish_reason if deltas else None
         out.write("\n")
         print(
             f"[{n_tokens} tokens in {dt:.2f}s, {n_tokens / max(dt, 1e-9):.1f} tok/s, finish_reason={reason}]",

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from pagedllm.args import EngineArgs
 from pagedllm.chat import load_chat_template, render_chat
 from pagedllm.engine import LLMEngine, PromptType
+from pagedllm.engine.drive import Submission, drive
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -143,36 +144,25 @@ class LLM:
         ]) for o in outs]
 
     def _run(self, adds: list[Callable[[str], None]], use_tqdm: bool) -> list[RequestOutput]:
-        """Queue each request (``add(request_id)``) and step until all finished; on error or
-        interrupt nothing stays queued or holds blocks."""
+        """Queue each request (``add(request_id)``) and step until all finished (``drive``); on
+        error or interrupt nothing stays queued or holds blocks."""
         ids = [f"gen-{next(self._counter)}" for _ in adds]
-        added: list[str] = []
-        try:
-            for rid, add in zip(ids, adds):
-                add(rid)
-                added.append(rid)
-            return self._collect(ids, use_tqdm)
-        finally:
-            for rid in added:
-                self.engine.abort_request(rid)
-
-    def _collect(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        bar = None
+        on_step = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
-        wanted = set(ids)
-        while len(done) < len(ids):
-            for out in self.engine.step():
-                if out.finished and out.request_id in wanted:
-                    done[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        return [done[i] for i in ids]
+            wanted = set(ids)
+
+            def on_step(outs: list[RequestOutput]) -> None:
+                bar.update(sum(o.finished and o.request_id in wanted for o in outs))
+        try:
+            res = drive(self.engine, [Submission(rid, add) for rid, add in zip(ids, adds)],
+                        on_step=on_step)
+        finally:
+            if use_tqdm:
+                bar.close()
+        return res.in_order(ids)
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from pagedllm import envs
+from pagedllm._cpu import cpu_flags, cpu_model
 from pagedllm.logging_utils import init_logger
 
 logger = init_logger(__name__)
@@ -66,33 +68,11 @@ _state: dict[str, object] = {}  # "loaded": bool, "error": str | None, "path": P
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR")
+    root = envs.get("PAGEDLLM_CACHE_DIR")
     if root:
         return Path(root)
     xdg = os.environ.get("XDG_CACHE_HOME")
     return Path(xdg) / "pagedllm" if xdg else Path.home() / ".cache" / "pagedllm"
-
-
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's "model name" and "flags" lines of /proc/cpuinfo ({} without it)."""
-    out: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("model name", "flags") and key.strip() not in out:
-                    out[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return out
-
-
-def cpu_model() -> str:
-    return _cpuinfo().get("model name", platform.processor() or platform.machine())
-
-
-def cpu_flags() -> frozenset[str]:
-    return frozenset(_cpuinfo().get("flags", "").split())
 
 
 def _cpu_id() -> str:
@@ -118,7 +98,7 @@ def choose_isa(setting: str, flags: frozenset[str]) -> str:
 
 
 def _isa() -> str:
-    return choose_isa(os.environ.get("PAGEDLLM_ISA", "auto"), cpu_flags())
+    return choose_isa(envs.get("PAGEDLLM_ISA") or "auto", cpu_flags())
 
 
 def _flags() -> tuple[str, ...]:
@@ -207,7 +187,7 @@ def available() -> bool:
     if "loaded" in _state:
         return bool(_state["loaded"])
     _state["loaded"], _state["error"] = False, None
-    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+    if not envs.is_on("PAGEDLLM_CPU_KERNELS"):
         _state["error"] = "switched off by PAGEDLLM_CPU_KERNELS=0"
         return False
     isa_ = _state["isa"] = _isa()  # a bad PAGEDLLM_ISA raises here, before any build
@@ -225,7 +205,7 @@ def available() -> bool:
         return False
     _state["loaded"], _state["path"] = True, lib
     logger.debug("pagedllm CPU kernels: %s (PAGEDLLM_ISA=%s, CPU %s)", isa_,
-                os.environ.get("PAGEDLLM_ISA", "auto"), cpu_model())
+                envs.get("PAGEDLLM_ISA"), cpu_model())
     return True
 
 

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedllm.args import EngineArgs
+from pagedllm.bench.report import loadavg
 from pagedllm.planner.cost import (
     Features,
     StepCostModel,
@@ -107,11 +108,8 @@ def calibrate(args: EngineArgs, reps: int = 3, max_seconds: float = 300.0,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "calibration_s": round(time.perf_counter() - t_start, 1)})
     f["num_dropped_cells"] = len(run.dropped)
-    try:
-        with open("/proc/loadavg") as fh:
-            profile.made_on["loadavg"] = fh.read().split()[:3]
-    except OSError:
-        pass
+    if (load := loadavg()) is not None:
+        profile.made_on["loadavg"] = load
     return profile
 
 
@@ -213,32 +211,38 @@ class _Runner:
         return [self.rng.randrange(4, self.vocab) for _ in range(n)]  # fresh: no prefix hits
 
     def _add(self, tokens: list[int], max_tokens: int) -> str:
-        from pagedllm.sampling_params import SamplingParams
+        from pagedllm.bench.workload import BenchRequest, submissions
 
         self.ids += 1
-        rid = f"cal{self.ids}"
-        self.added.append(rid)
-        self.engine.add_request(rid, {"prompt_token_ids": tokens},
-                                SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                               ignore_eos=True))
-        return rid
+        (sub,) = submissions(self.engine, [BenchRequest(tokens, max_tokens)],
+                             prefix=f"cal{self.ids}-")
+        self.added.append(sub.request_id)
+        sub.add(sub.request_id)  # queued now: the cell times the step that takes it
+        return sub.request_id
 
     def _step(self) -> tuple[Features, float]:
+        """One step of the situation the cell built, timed (a drive would add and finish
+        requests around it; calibration times single steps of chosen compositions)."""
         t0 = self.read()
         self.engine.step()
         return step_features(self.engine.stats), self.read() - t0  # the step's own record
 
     def prefill(self, n: int) -> None:
-        self._add(self._tokens(n), 4)
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
+        """Run one prompt of ``n`` tokens (4 output tokens) to the end: warm-up."""
+        self._run_one(self._tokens(n), 4)
 
     def cache_context(self, c: int) -> None:
         """Compute (and leave cached) a prompt of ``c`` tokens that cells then extend."""
         self.context = self._tokens(c)
-        self._add(self.context, 1)
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
+        self._run_one(self.context, 1)
+
+    def _run_one(self, tokens: list[int], max_tokens: int) -> None:
+        from pagedllm.bench.workload import BenchRequest, submissions
+        from pagedllm.engine.drive import drive
+
+        self.ids += 1
+        drive(self.engine, submissions(self.engine, [BenchRequest(tokens, max_tokens)],
+                                       prefix=f"cal{self.ids}-"))
 
     def grow_decodes(self, b: int, c: int, shared: bool = False) -> None:
         """Add ``c``-token prompts (``shared``: the cached context and 16 tokens of their own)

@@ -26,7 +26,8 @@ TIMED = {"output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p90_s", "t
 
 
 def register(subparsers: Any) -> None:
-    from pagedllm.bench.cli import _workload_args
+    from pagedllm.bench.workload import WorkloadSpec
+    from pagedllm.planner.calibrate import CLOCKS
 
     p = subparsers.add_parser(
         "plan", allow_abbrev=False, help="size the KV pool; with --trace / --workload, replay it through the "
@@ -35,15 +36,12 @@ def register(subparsers: Any) -> None:
         "loaded). With --trace FILE or --workload: the workload replayed through the engine's "
         "own scheduler and KV manager; with --profile (from `pagedllm plan calibrate`) also "
         "predicted tokens/s, TTFT and TPOT.")
-    _workload_args(p, 64)
-    p.set_defaults(workload=None)
+    WorkloadSpec.add_cli_args(p, 64, arrivals=True)
+    p.set_defaults(kind=None)
     g = p.add_argument_group("planner")
     g.add_argument("--profile", default=None, metavar="FILE",
                    help="step-cost profile from `pagedllm plan calibrate` (without it: "
                    "scheduling only, no timings)")
-    g.add_argument("--request-rate", type=float, default=None,
-                   help="Poisson arrivals, requests/s (default: the trace's arrival_time, "
-                   "else all at once)")
     g.add_argument("--sweep", nargs="+", default=None, metavar="SETTING=V1,V2",
                    help="replay every combination, e.g. block_size=8,16,32 "
                    "kv_cache_memory=256MiB,1GiB max_num_seqs=32,64")
@@ -79,7 +77,7 @@ def register(subparsers: Any) -> None:
                    help="stop adding grid cells after this many seconds on --clock "
                    "(default: 300)")
     c.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    c.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+    c.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                    help="wall: seconds as they pass (default); cpu: the process's CPU seconds, "
                    "what a step costs on a dedicated core (reproducible on a shared machine; "
                    "needs --threads 1)")
@@ -113,9 +111,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
     cfg = args.create_engine_config()
     for line in pool_lines(cfg):
         print(line)
-    if a.trace and a.workload is None:
-        a.workload = "trace"
-    if a.workload is None:
+    if a.trace and a.kind is None:
+        a.kind = "trace"
+    if a.kind is None:
         for flag in ("profile", "sweep", "find_max_rate", "compare", "output_json"):
             if getattr(a, flag):
                 raise ValueError(f"--{flag.replace('_', '-')} needs a workload: pass --trace "
@@ -127,9 +125,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
 def _replay(a: argparse.Namespace, args: EngineArgs) -> int:
     import dataclasses
 
-    from pagedllm.bench.cli import _spec_kwargs
     from pagedllm.bench.report import write_json
-    from pagedllm.bench.workload import build_workload, summarize
+    from pagedllm.bench.workload import WorkloadSpec, build_workload, summarize
     from pagedllm.planner.plan import Planner
     from pagedllm.planner.profile import Profile, describe_setup
     from pagedllm.planner.sweep import SLO, combinations, parse_sweep, recommend
@@ -146,7 +143,7 @@ def _replay(a: argparse.Namespace, args: EngineArgs) -> int:
     if a.request_rate is not None and not a.request_rate > 0:
         raise ValueError(f"--request-rate={a.request_rate} must be > 0")
     kw = dataclasses.asdict(args)
-    spec, reqs, cfg = build_workload(kw, _spec_kwargs(a, a.seed))
+    spec, reqs, cfg = build_workload(kw, WorkloadSpec.cli_kwargs(a))
     profile = Profile.load(a.profile) if a.profile else None
     print(f"workload         {spec.kind}: {len(reqs)} requests, "
           f"{sum(r.prompt_len for r in reqs)} prompt + {sum(r.max_tokens for r in reqs)} output "

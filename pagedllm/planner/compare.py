@@ -1,8 +1,8 @@
 """``pagedllm plan --compare``: the real engine on the same workload, predicted vs measured.
 
-The real run is the offline loop the replay stands for: each request is added once its arrival
-time has passed, the engine steps, and a request's first token and finish are stamped when the
-step that made them returns. Throughput is taken from the fastest of ``reps`` runs (on a shared
+The real run is the offline loop the replay stands for (``engine.drive``): each request is added
+once its arrival time has passed, the engine steps, and a request's first token and finish are
+stamped when the step that made them returns. Throughput is taken from the fastest of ``reps`` runs (on a shared
 machine interference only adds time), latencies from that same run; every run's figures are
 kept.
 
@@ -14,7 +14,6 @@ arrival added on top -- the run as a dedicated core would time it.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.bench.report import format_table, percentiles
@@ -34,7 +33,7 @@ def compare(reqs: list[BenchRequest], engine_kwargs: dict[str, Any], planner: Pl
     import torch
 
     from pagedllm.args import EngineArgs
-    from pagedllm.bench.workload import poisson_arrivals
+    from pagedllm.bench.workload import arrivals
     from pagedllm.engine import LLMEngine
 
     if threads:
@@ -43,11 +42,10 @@ def compare(reqs: list[BenchRequest], engine_kwargs: dict[str, Any], planner: Pl
     clock = planner.profile.made_on.get("clock", "wall")
     args = EngineArgs.from_kwargs(engine_kwargs)
     _, predicted = planner.run(args, rate)
-    arrivals = ([r.arrival_time or 0.0 for r in reqs] if rate is None
-                else poisson_arrivals(len(reqs), rate, planner.seed))
+    at = arrivals(reqs, rate, planner.seed)
     engine = LLMEngine.from_args(**engine_kwargs)
     _run(engine, reqs[:4], [0.0] * min(4, len(reqs)))  # warm-up
-    runs = [_run(engine, reqs, arrivals, clock) for _ in range(max(1, reps))]
+    runs = [_run(engine, reqs, at, clock) for _ in range(max(1, reps))]
     engine.shutdown()
     best = min(runs, key=lambda r: r["elapsed_s"])
     rows = []
@@ -60,62 +58,29 @@ def compare(reqs: list[BenchRequest], engine_kwargs: dict[str, Any], planner: Pl
             / best["elapsed_s"]}
 
 
-class _Clock:
-    def __init__(self, kind: str) -> None:
-        from pagedllm.planner.calibrate import CLOCKS
-
-        self.kind, self.read = kind, CLOCKS[kind]
-        self.t0, self.skipped = self.read(), 0.0
-
-    def now(self) -> float:
-        return self.read() - self.t0 + self.skipped
-
-    def wait_until(self, t: float) -> None:
-        if self.kind == "wall":
-            time.sleep(max(0.0, t - self.now()))
-        else:
-            self.skipped += max(0.0, t - self.now())
-
-
 def _run(engine: Any, reqs: list[BenchRequest], arrivals: list[float],
          clock_kind: str = "wall") -> dict[str, Any]:
-    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.bench.workload import submissions
+    from pagedllm.engine.drive import Clock, drive
+    from pagedllm.planner.calibrate import CLOCKS
 
     engine.kv.reset_prefix_cache()  # a run must not hit the previous one's blocks
     steps0, pre0 = engine.scheduler.num_steps, engine.num_preemptions
-    peak = 0
-    order = sorted(range(len(reqs)), key=lambda i: arrivals[i])
-    n = len(reqs)
-    arrival, first, done = [0.0] * n, [-1.0] * n, [0.0] * n
-    nout = [0] * n
-    nxt = 0
-    clock = _Clock(clock_kind)
-    while nxt < n or engine.has_unfinished_requests():
-        now = clock.now()
-        while nxt < n and arrivals[order[nxt]] <= now:
-            i = order[nxt]
-            r = reqs[i]
-            engine.add_request(f"c{i}", {"prompt_token_ids": r.prompt_token_ids},
-                               SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
-                                              ignore_eos=True))
-            arrival[i] = arrivals[i]  # the request waited from then, mid-step or not
-            nxt += 1
-        if not engine.has_unfinished_requests():
-            clock.wait_until(arrivals[order[nxt]])
-            continue
-        outs = engine.step()
-        now = clock.now()
-        peak = max(peak, engine.stats.batch_running)  # the step's record
-        for o in outs:
-            i = int(o.request_id[1:])
-            if first[i] < 0:
-                first[i] = now
-            if o.finished:
-                done[i] = now
-                nout[i] = len(o.outputs[0].token_ids)
-    elapsed = clock.now()
-    ttft = percentiles([f - a for f, a in zip(first, arrival)])
-    tpot = percentiles([(d - f) / (k - 1) for f, d, k in zip(first, done, nout) if k > 1])
+    peak = [0]
+
+    def on_step(outs: list[Any]) -> None:
+        peak[0] = max(peak[0], engine.stats.batch_running)  # the step's record
+
+    subs = submissions(engine, reqs, arrivals, prefix="c")
+    res = drive(engine, subs, Clock(CLOCKS[clock_kind], sleeps=clock_kind == "wall"), on_step)
+    ids = [s.request_id for s in subs]
+    n, elapsed = len(reqs), res.elapsed
+    nout = [len(o.outputs[0].token_ids) for o in res.in_order(ids)]
+    first = [res.first_token[i] for i in ids]
+    # a request waited from its arrival, mid-step or not
+    ttft = percentiles([f - a for f, a in zip(first, arrivals)])
+    tpot = percentiles([(res.finished[i] - f) / (k - 1) for i, f, k in zip(ids, first, nout)
+                        if k > 1])
     return {
         "elapsed_s": elapsed,
         "output_tokens_per_s": sum(nout) / elapsed,
@@ -124,7 +89,7 @@ def _run(engine: Any, reqs: list[BenchRequest], arrivals: list[float],
         **{f"tpot_{k}_s": v for k, v in tpot.items()},
         "num_steps": engine.scheduler.num_steps - steps0,
         "num_preemptions": engine.num_preemptions - pre0,
-        "peak_running": peak,
+        "peak_running": peak[0],
     }
 
 

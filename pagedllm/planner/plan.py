@@ -28,11 +28,11 @@ class Planner:
     seed: int = 0
 
     def run(self, args: EngineArgs, rate: float | None = None) -> tuple[ReplayResult, dict[str, Any]]:
-        from pagedllm.bench.workload import poisson_arrivals
+        from pagedllm.bench.workload import arrivals
 
         cfg = args.create_engine_config()
-        arrivals = None if rate is None else poisson_arrivals(len(self.reqs), rate, self.seed)
-        res = replay(self.reqs, cfg, self.profile.model if self.profile else None, arrivals)
+        res = replay(self.reqs, cfg, self.profile.model if self.profile else None,
+                     arrivals(self.reqs, rate, self.seed))
         s = summarize(res)
         s["kv_bytes"] = res.num_blocks * cfg.cache.kv_bytes_per_block(cfg.model)
         s["request_rate"] = "trace" if rate is None else rate

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedllm._cpu import cpu_model
 from pagedllm.planner.cost import StepCostModel
 
 FORMAT = "pagedllm-step-profile/1"
@@ -97,20 +98,11 @@ def fit_quality(fit: dict[str, Any]) -> str:
 
 def machine() -> dict[str, Any]:
     """The machine a profile describes (no torch import: torch facts are added by calibrate)."""
-    return {"hostname": platform.node(), "cpu_model": _cpu_model(),
+    return {"hostname": platform.node(), "cpu_model": cpu_model(),
             "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
             "platform": platform.platform(), "python": platform.python_version()}
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def describe_setup(config: Any) -> dict[str, Any]:

@@ -72,6 +72,24 @@ class ReplayResult:
     series_reserved: list[int] = field(default_factory=list)
     series_pool: list[int] = field(default_factory=list)
 
+    def add_step(self, rec: StepStats, clock: float) -> None:
+        self.series_t.append(clock)
+        self.series_running.append(rec.batch_running)
+        self.series_live.append(rec.live_tokens)
+        self.series_reserved.append(rec.reserved_tokens)
+        self.series_pool.append(rec.pool_tokens)
+
+    def close(self, sched: Scheduler, steps: int, clock: float) -> None:
+        """The totals, from the scheduler at the end of the replay."""
+        self.scheduler = sched
+        self.num_steps = steps
+        self.num_preemptions = sched.num_preemptions
+        self.preemptions_by_kind = dict(sched.preemptions_by_kind)
+        self.peak_running = max(self.series_running, default=0)
+        self.elapsed = clock
+        self.output_tokens = sum(self.num_output)
+        self.prefix_cache_hit_rate = sched.kv.stats.hit_rate
+
     @property
     def ttft(self) -> list[float]:
         return [f - a for f, a in zip(self.first_token, self.arrival)]
@@ -175,21 +193,10 @@ def replay(
             i = index.pop(req.request_id)
             done[i] = clock
             num_out[i] = req.num_output_tokens
-        res.series_t.append(clock)
-        res.series_running.append(rec.batch_running)
-        res.series_live.append(rec.live_tokens)
-        res.series_reserved.append(rec.reserved_tokens)
-        res.series_pool.append(rec.pool_tokens)
+        res.add_step(rec, clock)
         if on_step is not None:
             on_step(rec, clock)
-    res.scheduler = sched
-    res.num_steps = steps
-    res.num_preemptions = sched.num_preemptions
-    res.preemptions_by_kind = dict(sched.preemptions_by_kind)
-    res.peak_running = max(res.series_running, default=0)
-    res.elapsed = clock
-    res.output_tokens = sum(num_out)
-    res.prefix_cache_hit_rate = kv.stats.hit_rate
+    res.close(sched, steps, clock)
     return res
 
 

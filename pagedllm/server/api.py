@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm import __version__
 from pagedllm.chat import load_chat_template
+from pagedllm.choices import TOOL_CALL_PARSERS
 from pagedllm.engine import LLMEngine
 from pagedllm.engine.client import EngineClient
 from pagedllm.engine.client_inproc import InProcessClient
@@ -41,7 +42,6 @@ from pagedllm.server.routes import chat, completions, docs, health, inspector, m
 from pagedllm.server.routes.common import RouteOptions
 from pagedllm.server.serving import APIError, ServerLimits, ServerState, served_model_name
 from pagedllm.server.stats_log import StatsLogger
-from pagedllm.server.tools import PARSERS
 
 __all__ = ["APIError", "ServerLimits", "build_app"]
 
@@ -66,15 +66,17 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
     ``disable_docs``; /health and /metrics stay open.
     ``kv_inspector``: the live KV page at /kv (``pagedllm.server.inspector``; its data behind the
     key).
-    ``tool_call_parser``: see ``server.tools.PARSERS`` (tool_choice 'auto' needs one);
+    ``tool_call_parser``: one of ``pagedllm.choices.TOOL_CALL_PARSERS`` (tool_choice 'auto' needs
+    one);
     ``chat_template``: a Jinja template (file or text) instead of the tokenizer's;
     ``log_requests``: log each request's id, endpoint and sampling parameters;
     ``allowed_origins``: CORS (Starlette's middleware) for these origins ("*": any);
     ``log_stats_interval``: log throughput, queues and KV usage every so many seconds
     (``server.stats_log``; ``pagedllm serve``: 10, off with --disable-log-stats)."""
     template = load_chat_template(chat_template)
-    if tool_call_parser not in (None, *PARSERS):
-        raise ValueError(f"--tool-call-parser {tool_call_parser!r}: choose {', '.join(PARSERS)}")
+    if tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+        raise ValueError(f"--tool-call-parser {tool_call_parser!r}: choose "
+                         f"{', '.join(TOOL_CALL_PARSERS)}")
     names = [model_name] if isinstance(model_name, str) else list(model_name or [])
     client = engine if isinstance(engine, EngineClient) else InProcessClient(engine, batch_wait_ms)
     srv = ServerState(client, names[0] if names else served_model_name(client.config.model.model),

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm import envs
+from pagedllm.choices import TOOL_CALL_PARSERS
 from pagedllm.flags import add_flags, from_namespace, setting
 from pagedllm.router.policy import IMBALANCE_THRESHOLD, ROUTING_POLICIES
 
@@ -22,7 +24,7 @@ STATS_INTERVAL_S = 10.0  # the periodic stats line (server.stats_log), as vLLM's
 def stats_interval() -> float:
     """Seconds between two stats lines: $PAGEDLLM_LOG_STATS_INTERVAL (vLLM:
     VLLM_LOG_STATS_INTERVAL), default ``STATS_INTERVAL_S``."""
-    value = os.environ.get("PAGEDLLM_LOG_STATS_INTERVAL")
+    value = envs.get("PAGEDLLM_LOG_STATS_INTERVAL")
     try:
         interval = STATS_INTERVAL_S if value is None else float(value)
     except ValueError:
@@ -67,7 +69,7 @@ class ServerArgs:
     tool_call_parser: str | None = setting(
         None, "read tool calls out of the text for tool_choice 'auto': hermes "
         "(<tool_call>{json}</tool_call>) or llama3_json", group=S,
-        choices=("hermes", "llama3_json"))
+        choices=TOOL_CALL_PARSERS)
     chat_template: str | None = setting(
         None, "a Jinja chat template, FILE or the template text, instead of the tokenizer's",
         group=S)

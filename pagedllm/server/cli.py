@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import signal
 import socket
 from pathlib import Path
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.args import EngineArgs
 from pagedllm.config import EngineConfig
 from pagedllm.flags import apply_config_file
@@ -63,7 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli(args)
     if args.model_pos is not None:
         engine_args = dataclasses.replace(engine_args, model=args.model_pos)
-    api_key = srv.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    api_key = srv.api_key or envs.get("PAGEDLLM_API_KEY")
     # The engine core runs in its own process (started with the app, pagedllm/engine/core_proc.py),
     # or N of them (--data-parallel-size, pagedllm/router/client.py), unless --engine-in-process;
     # a bad setting fails here, before any process starts.

@@ -3,8 +3,8 @@ output is constrained, and how it is read back as OpenAI ``tool_calls``.
 
 - ``none``: the tools reach the chat template, the output is plain text.
 - ``auto`` (the default when tools are sent): the model decides; its text is read by the parser
-  the server was started with (``--tool-call-parser``, ``PARSERS``); text that holds no call stays
-  content.
+  the server was started with (``--tool-call-parser``, ``pagedllm.choices.TOOL_CALL_PARSERS``);
+  text that holds no call stays content.
 - ``required``: the output is constrained (structured outputs) to a JSON array of at least one
   ``{"name": <a tool>, "parameters": <its arguments>}``, vLLM's form (exactly one with
   ``parallel_tool_calls: false``).
@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.choices import TOOL_CALL_PARSERS
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.server.protocol import (
     ChatCompletionRequest,
@@ -30,7 +31,6 @@ from pagedllm.server.protocol import (
 )
 from pagedllm.server.serving import APIError
 
-PARSERS = ("hermes", "llama3_json")
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 _PYTHON_TAG = "<|python_tag|>"
 _ANY_PARAMETERS: dict[str, Any] = {"type": "object"}
@@ -67,7 +67,7 @@ def tool_plan(req: ChatCompletionRequest, parser: str | None) -> ToolPlan | None
         if choice == "auto":
             if parser is None:
                 raise APIError(400, "tool_choice 'auto' needs a tool-call parser: start the server "
-                               f"with --tool-call-parser ({' or '.join(PARSERS)}), or send "
+                               f"with --tool-call-parser ({' or '.join(TOOL_CALL_PARSERS)}), or send "
                                "tool_choice 'none', 'required' or a named function",
                                param="tool_choice")
             return ToolPlan("auto", tools, parser=parser)

@@ -84,6 +84,53 @@ def test_trace_and_arrivals(tmp_path: Path) -> None:
     assert poisson_arrivals(3, math.inf, 0) == [0.0, 0.0, 0.0]
 
 
+def test_the_spec_gives_the_arrivals() -> None:
+    reqs = [BenchRequest([5], 1, 0.5), BenchRequest([6], 1, None)]
+    assert WorkloadSpec().arrivals(reqs) == [0.5, 0.0]  # unset rate: the trace's, else 0
+    assert WorkloadSpec(request_rate=math.inf).arrivals(reqs) == [0.0, 0.0]
+    assert WorkloadSpec(seed=1, request_rate=10.0).arrivals(reqs) == poisson_arrivals(2, 10.0, 1)
+
+
+def test_the_workload_flags_are_the_spec_fields() -> None:
+    """``WorkloadSpec.add_cli_args`` makes one flag per spec field with help; ``cli_kwargs``
+    reads them back, so a field added to the spec is a flag of every command that takes one."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    WorkloadSpec.add_cli_args(p, 7, arrivals=True)
+    p.add_argument("--seed", type=int, default=0)
+    ns = p.parse_args(["--workload", "chat", "--turns", "2", "--request-rate", "3", "--seed", "5"])
+    spec = WorkloadSpec(**WorkloadSpec.cli_kwargs(ns))
+    assert (spec.kind, spec.turns, spec.request_rate, spec.seed, spec.num_prompts) == \
+        ("chat", 2, 3.0, 5, 7)
+    plain = argparse.ArgumentParser()
+    WorkloadSpec.add_cli_args(plain, 7)
+    with pytest.raises(SystemExit):  # offline commands take no arrivals
+        plain.parse_args(["--request-rate", "3"])
+
+
+def test_every_bench_subcommand_is_a_module_with_its_own_flags() -> None:
+    """``bench/cli.py`` registers ``pagedllm.bench.<module>`` for each subcommand (``COMMAND``,
+    ``HELP``, ``add_cli_args``, ``run``), and building the parser imports no torch."""
+    import importlib
+    import os
+    import subprocess
+    import sys
+
+    from pagedllm.bench.cli import SUBCOMMANDS
+
+    for name in SUBCOMMANDS:
+        mod = importlib.import_module(f"pagedllm.bench.{name}")
+        assert callable(mod.add_cli_args) and callable(mod.run) and mod.COMMAND and mod.HELP
+    code = ("import sys; from pagedllm.entrypoints.cli import build_parser; build_parser(); "
+            "assert 'torch' not in sys.modules, 'building the CLI imported torch'")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
 def test_report_helpers() -> None:
     p = percentiles([1.0, 2.0, 3.0, 4.0])
     assert p["mean"] == 2.5 and p["p50"] == 2.5 and p["p99"] == pytest.approx(3.97)

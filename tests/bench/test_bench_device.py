@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pagedllm.bench import kernel as kernel_mod
+from pagedllm.bench import kernel_case as kernel_case_mod
 from pagedllm.bench.device import (
     attention_flops,
     decode_kv_bytes,
@@ -22,7 +22,8 @@ from pagedllm.bench.device import (
     peak_memory_bandwidth,
     synchronize,
 )
-from pagedllm.bench.kernel import _case, _rates, kernel_defaults
+from pagedllm.bench.kernel import _rates, kernel_defaults
+from pagedllm.bench.kernel_case import case as _case
 from pagedllm.bench.random_model import PRESETS, build_random_model, llama_param_count
 from pagedllm.bench.workload import BenchRequest
 from pagedllm.entrypoints.cli import main
@@ -119,7 +120,7 @@ def test_prefill_falls_back_to_expanded_kv_without_a_fused_gqa_kernel(
             raise RuntimeError("No available kernel")
         return sdpa(*args, **kw)
 
-    monkeypatch.setattr(kernel_mod, "is_cuda", lambda device: True)
+    monkeypatch.setattr(kernel_case_mod, "is_cuda", lambda device: True)
     monkeypatch.setattr(F, "scaled_dot_product_attention", no_gqa)
     with torch.inference_mode():  # torch_ref: a paged side that does not call SDPA
         c = _case("prefill", 1, 24, 8, 4, 2, 16, "torch_ref", 0)

@@ -273,54 +273,27 @@ def decode_attention(
     else:
         dst, lse, dst_strides = out, out, (out.stride(0), out.stride(1), 0)
     _decode_kernel[(num_rows, num_kv_heads, splits.num_splits)](
-        q,
-        c.k,
-        c.v,
-        c.k_scale,
-        c.v_scale,
-        dst,
-        lse,
-        reqs,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        scale * math.log2(math.e),
-        sliding_window or 0,
-        splits.split_len,
-        q.stride(0),
-        q.stride(1),
-        *dst_strides,
-        c.k.stride(0),
-        c.k.stride(1),
-        c.k.stride(2),
-        *c.scale_strides,
-        block_tables.stride(0),
-        head_dim,
-        GROUP=group,
-        GROUP_PAD=max(16, next_pow2(group)),
-        BLOCK_SIZE=block_size,
-        TILE_N=tile_n,
-        BLOCK_D=block_d,
-        USE_WINDOW=sliding_window is not None,
-        SPLIT=split,
-        DOT_FP32=dot_fp32,
-        PRECISION=precision,
-        K_QUANT=c.k_quant,
-        V_QUANT=c.v_quant,
+        q, c.k, c.v, c.k_scale, c.v_scale, dst, lse,
+        reqs, query_start_loc, seq_lens, block_tables,
+        scale * math.log2(math.e), sliding_window or 0, splits.split_len,
+        q.stride(0), q.stride(1), *dst_strides,
+        c.k.stride(0), c.k.stride(1), c.k.stride(2), *c.scale_strides,
+        block_tables.stride(0), head_dim,
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), BLOCK_SIZE=block_size, TILE_N=tile_n,
+        BLOCK_D=block_d, USE_WINDOW=sliding_window is not None, SPLIT=split,
+        DOT_FP32=dot_fp32, PRECISION=precision, K_QUANT=c.k_quant, V_QUANT=c.v_quant,
     )
-    if not split:
-        return
-    _merge_kernel[(num_rows, num_heads)](
-        out,
-        dst,
-        lse,
-        reqs,
-        query_start_loc,
-        out.stride(0),
-        out.stride(1),
-        splits.num_splits,
-        head_dim,
-        SPLITS_PAD=next_pow2(splits.num_splits),
-        BLOCK_D=block_d,
-        IN_ORDER=fixed_split_len is not None,
+    if split:
+        _merge_splits(out, dst, lse, reqs, query_start_loc, splits.num_splits, head_dim, block_d,
+                      in_order=fixed_split_len is not None)
+
+
+def _merge_splits(out: torch.Tensor, dst: torch.Tensor, lse: torch.Tensor, reqs: torch.Tensor,
+                  query_start_loc: torch.Tensor, num_splits: int, head_dim: int, block_d: int,
+                  in_order: bool) -> None:
+    """out[row] = the split-K partials ``dst`` [R, Hq, splits, BLOCK_D] merged by their
+    log-sum-exps ``lse``; ``in_order``: summed split by split (batch-invariant bits)."""
+    _merge_kernel[(reqs.shape[0], out.shape[1])](
+        out, dst, lse, reqs, query_start_loc, out.stride(0), out.stride(1), num_splits, head_dim,
+        SPLITS_PAD=next_pow2(num_splits), BLOCK_D=block_d, IN_ORDER=in_order,
     )

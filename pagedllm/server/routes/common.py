@@ -22,7 +22,8 @@ class RouteOptions:
     """Per-app settings of the routes (``build_app``'s arguments, checked there).
 
     ``names``: every served model name, the first in responses; ``chat_template``: the loaded
-    template text (None: the tokenizer's); ``tool_call_parser``: ``server.tools.PARSERS``' key."""
+    template text (None: the tokenizer's); ``tool_call_parser``: one of
+    ``pagedllm.choices.TOOL_CALL_PARSERS``."""
 
     names: tuple[str, ...]
     chat_template: str | None = None

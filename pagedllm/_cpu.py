@@ -1,0 +1,29 @@
+"""The CPU's model name and feature flags (/proc/cpuinfo: psutil does not give them), for the
+kernels' ISA choice and the machine a benchmark or a planner profile ran on. Imports nothing
+heavy (the planner runs without torch)."""
+
+from __future__ import annotations
+
+import platform
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's "model name" and "flags" lines of /proc/cpuinfo ({} without it)."""
+    out: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "flags") and key.strip() not in out:
+                    out[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return out
+
+
+def cpu_model() -> str:
+    return _cpuinfo().get("model name", platform.processor() or platform.machine())
+
+
+def cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo().get("flags", "").split())
