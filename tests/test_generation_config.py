@@ -70,3 +70,47 @@ def test_defaults_on_the_server(server: ServerThread) -> None:
     sampled = {complete(temperature=1.0, top_k=0, top_p=1.0, seed=s) for s in range(4)}
     assert len(sampled) > 1  # the request's own values win
     server.wait_idle()
+
+
+def test_one_merge_the_caller_then_the_file_then_the_fallback() -> None:
+    from pagedllm.generation_config import GenerationDefaults
+
+    d = GenerationDefaults({"temperature": 0.6, "top_p": 0.9})
+    assert d.merge(temperature=None, top_k=None) == {"temperature": 0.6, "top_p": 0.9}
+    assert d.merge(temperature=0.0, top_k=5) == {"temperature": 0.0, "top_p": 0.9, "top_k": 5}
+    p = d.sampling_params({"temperature": 0.0, "min_p": 0.1}, top_p=None, max_tokens=3)
+    assert (p.temperature, p.top_p, p.min_p, p.max_tokens) == (0.6, 0.9, 0.1, 3)
+    p = GenerationDefaults().sampling_params({"temperature": 0.0}, temperature=None)
+    assert (p.temperature, p.top_p) == (0.0, 1.0)  # the file silent: the fallback, then defaults
+
+
+def test_pagedllm_generate_takes_the_file_s_defaults(tmp_path: Path) -> None:
+    """The CLI was greedy whatever the file said; now the file's repetition penalty applies
+    (flags still win), the same merge as LLM.generate."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "m"
+    shutil.copytree(default_model_path(), path)
+    (path / "generation_config.json").write_text(json.dumps({"repetition_penalty": 3.0}))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+    def cli(*flags: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "pagedllm", "generate", "def f(", "--model",
+                            str(path), "--num-kv-blocks", "64", "--max-tokens", "24",
+                            "--ignore-eos", *flags], capture_output=True, text=True, env=env,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout[len("def f("):-1]
+
+    llm = LLM(str(path), num_kv_blocks=64)
+
+    def offline(rep: float) -> str:
+        sp = SamplingParams(temperature=0.0, repetition_penalty=rep, max_tokens=24,
+                            ignore_eos=True)
+        return llm.generate("def f(", sp, use_tqdm=False)[0].outputs[0].text
+
+    assert offline(3.0) != offline(1.0)  # the penalty shows in 24 tokens of this model
+    assert cli() == offline(3.0)
+    assert cli("--temperature", "0", "--generation-config", "vllm") == offline(1.0)

@@ -247,7 +247,7 @@ class LLMEngine:
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config defaults (``--generation-config``)."""
-        return SamplingParams(**self.core.generation_defaults.sampling)
+        return self.core.generation_defaults.sampling_params()
 
     def current_stats(self) -> StepStats:
         """A record of the engine as it is now, outside any step (``self.stats`` is the last

@@ -15,21 +15,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from pagedllm.engine import LLMEngine
     from pagedllm.engine.drive import Submission, drive
     from pagedllm.outputs import CompletionOutput, RequestOutput
-    from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+    from pagedllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(
-        n=1,
-        temperature=a.temperature,
-        top_p=a.top_p,
-        top_k=a.top_k,
-        min_p=a.min_p,
-        seed=a.sampling_seed,
-        max_tokens=a.max_tokens,
-        stop=a.stop or [],
-        ignore_eos=a.ignore_eos,
-        output_kind=RequestOutputKind.DELTA,
-    )
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli(a))
+    # flags the user set win, then the model's generation_config.json, then greedy
+    params = engine.generation_defaults.sampling_params(
+        {"temperature": 0.0}, n=1, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+        min_p=a.min_p, seed=a.sampling_seed, max_tokens=a.max_tokens, stop=a.stop or [],
+        ignore_eos=a.ignore_eos, output_kind=RequestOutputKind.DELTA)
     out = sys.stdout
     deltas: list[CompletionOutput] = []
 
@@ -66,10 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one or more prompts, streamed to stdout")
     g.add_argument("prompt", nargs="+", help="prompt text (several prompts run one after another)")
     g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy; default: the model's generation_config.json, else greedy")
+    g.add_argument("--top-p", type=float, default=None, help="default: generation_config, else 1")
+    g.add_argument("--top-k", type=int, default=None, help="default: generation_config, else 0")
+    g.add_argument("--min-p", type=float, default=None, help="default: generation_config, else 0")
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")

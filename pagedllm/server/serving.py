@@ -268,21 +268,17 @@ class ServerState:
                      "repetition_penalty"):
             _nonfinite(name, getattr(req, name))
         # what the request leaves out: the model's generation_config defaults (--generation-config)
-        default = self.async_engine.frontend.generation_defaults.sampling
-        top_k = req.top_k if req.top_k is not None else default.get("top_k")
-        if top_k is not None and top_k >= self.vocab_size:
-            top_k = 0  # keeping the whole vocabulary is no top-k at all
+        sampling = self.async_engine.frontend.generation_defaults.merge(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty)
+        if sampling.get("top_k", 0) >= self.vocab_size:
+            sampling["top_k"] = 0  # keeping the whole vocabulary is no top-k at all
         kwargs: dict[str, Any] = dict(
+            **sampling,
             n=req.n,
-            temperature=default.get("temperature", 1.0) if req.temperature is None else req.temperature,
-            top_p=default.get("top_p", 1.0) if req.top_p is None else req.top_p,
-            top_k=0 if top_k is None else top_k,
-            min_p=default.get("min_p", 0.0) if req.min_p is None else req.min_p,
             seed=req.seed,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=(default.get("repetition_penalty", 1.0) if req.repetition_penalty is None
-                                else req.repetition_penalty),
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop=req.stop,
