@@ -97,8 +97,9 @@ def test_core_process_matches_in_process_then_dies_loudly(chat_model: Path,
             it = stream.__aiter__()
             await it.__anext__()
             client.abort("long")
-            with pytest.raises(RequestAborted):
-                await it.__anext__()
+            with pytest.raises(RequestAborted):  # outputs queued before the abort come first
+                for _ in range(100):
+                    await it.__anext__()
             free, total = await client.utility("check_integrity")
             assert await client.utility("num_unfinished_requests") == 0
             assert free == total == 256
