@@ -4,6 +4,7 @@ records it like any step, it shares the engine with other requests, and it abort
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from pathlib import Path
@@ -101,3 +102,21 @@ def test_beam_search_beside_other_requests_and_abort(tiny_models: dict[str, Path
     with pytest.raises(ValueError, match="exceeds max_model_len=128"):
         eng.add_beam_search("c", "t5", beam_width=2, max_tokens=200)
     assert not eng.has_unfinished_requests()
+
+
+GOLDEN = Path(__file__).resolve().parent / "data" / "beam_search_golden.json"
+
+
+def test_beam_search_is_bit_identical_to_the_in_core_search(tiny_models: dict[str, Path]) -> None:
+    """Widths 1..20, token ids and scores exactly as the search inside the engine core gave them
+    (``scripts/beam_golden.py`` wrote the file before beam search moved above the core)."""
+    want = json.loads(GOLDEN.read_text())
+    llm = LLM(model=str(tiny_models["llama"]), **want["engine"])
+    prompts = [{"prompt_token_ids": p} for p in want["prompts"]]
+    for w, expected in want["widths"].items():
+        outs = llm.beam_search(prompts, beam_width=int(w), max_tokens=want["max_tokens"])
+        got = [[[s.token_ids, s.cumulative_logprob] for s in o.sequences] for o in outs]
+        assert got == expected, f"beam_width={w}"
+    eng = llm.engine
+    eng.check_integrity()
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks and not eng.scheduler.holds
