@@ -1,6 +1,8 @@
-"""Beam search runs inside LLMEngine.step(): an elastic pool grows for it, the allocation trace
-records it like any step, it shares the engine with other requests, and it aborts cleanly.
-(Beams and scores against HF transformers: tests/test_memory_management.py.)"""
+"""Beam search runs above the engine core, in rounds of 1-token requests inside LLMEngine.step()
+(``pagedllm.engine.beam``): its beams are bit-identical to those of the search that ran inside
+the core, an elastic pool grows for it, the allocation trace records it like any step, it shares
+the engine with other requests, and it aborts cleanly. (Beams and scores against HF
+transformers: tests/test_memory_management.py; held KV: tests/test_holds.py.)"""
 
 from __future__ import annotations
 
