@@ -268,6 +268,8 @@ class EngineCore:
             self.spec.check_integrity()  # a draft model's own KV pool
         for rid in self.scheduler.requests:
             assert rid in self._group_of, f"scheduler request {rid} has no owner"
+        for rid in self.scheduler.holds.held:  # a hold is a table in the KV manager, no request
+            assert self.kv.has_request(rid) and rid not in self.scheduler.requests, rid
 
     def current_stats(self) -> StepStats:
         """A record of the engine as it is now, outside any step (``self.stats`` is the last
