@@ -57,15 +57,17 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0  # FCFS tie-break, assigned by the scheduler
-    fork_seq: int = 0  # orders the beams of one search, which all keep its arrival_seq
+    fork_seq: int = 0  # orders requests forked on a hold, which keep its arrival_seq
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     token_ids: list[int] = field(init=False)
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
-    # False: preempted by recompute whatever preemption_mode says (beams, pagedllm.engine.beam)
-    swappable: bool = True
+    # held KV (``pagedllm.sched.holds``): keep this request's blocks for that many seconds after
+    # it finishes; start on the held blocks of request ``fork_of``
+    keep_kv_s: float | None = None
+    fork_of: str | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     # token sequences it may never generate (``SamplingParams.bad_words``, tokenized at admission)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()

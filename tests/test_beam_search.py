@@ -1,9 +1,12 @@
-"""Beam search runs inside LLMEngine.step(): an elastic pool grows for it, the allocation trace
-records it like any step, it shares the engine with other requests, and it aborts cleanly.
-(Beams and scores against HF transformers: tests/test_memory_management.py.)"""
+"""Beam search runs above the engine core, in rounds of 1-token requests inside LLMEngine.step()
+(``pagedllm.engine.beam``): its beams are bit-identical to those of the search that ran inside
+the core, an elastic pool grows for it, the allocation trace records it like any step, it shares
+the engine with other requests, and it aborts cleanly. (Beams and scores against HF
+transformers: tests/test_memory_management.py; held KV: tests/test_holds.py.)"""
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from pathlib import Path
@@ -11,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.beam import KEEP_KV_S, BeamSearchDriver
+from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from pagedllm.kv.trace import load, replay
 
 
@@ -101,3 +106,62 @@ def test_beam_search_beside_other_requests_and_abort(tiny_models: dict[str, Path
     with pytest.raises(ValueError, match="exceeds max_model_len=128"):
         eng.add_beam_search("c", "t5", beam_width=2, max_tokens=200)
     assert not eng.has_unfinished_requests()
+
+
+GOLDEN = Path(__file__).resolve().parent / "data" / "beam_search_golden.json"
+
+
+def test_beam_search_is_bit_identical_to_the_in_core_search(tiny_models: dict[str, Path]) -> None:
+    """Widths 1..20, token ids and scores exactly as the search inside the engine core gave them
+    (``scripts/beam_golden.py`` wrote the file before beam search moved above the core)."""
+    want = json.loads(GOLDEN.read_text())
+    llm = LLM(model=str(tiny_models["llama"]), **want["engine"])
+    prompts = [{"prompt_token_ids": p} for p in want["prompts"]]
+    for w, expected in want["widths"].items():
+        outs = llm.beam_search(prompts, beam_width=int(w), max_tokens=want["max_tokens"])
+        got = [[[s.token_ids, s.cumulative_logprob] for s in o.sequences] for o in outs]
+        assert got == expected, f"beam_width={w}"
+    eng = llm.engine
+    eng.check_integrity()
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks and not eng.scheduler.holds
+
+
+def _round_done(rid: str, topk: list[tuple[int, float]]) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id=rid, new_token_ids=[topk[0][0]], finish_reason="length",
+                            new_logprobs=[TokenLogprobs(topk[0][1], 1, topk)])
+
+
+def test_the_driver_holds_each_round_for_the_next_and_releases_every_hold() -> None:
+    """The driver's messages alone (no core): keep_kv_s on every round but the last, fork_of the
+    parent's round request, the previous round's holds released once the next is submitted, an
+    abort ends live requests and holds, a failed round request ends its search."""
+    sent: list[EngineCoreRequest] = []
+    released: list[list[str]] = []
+    d = BeamSearchDriver(sent.append, released.append)
+    d.add("s", [1, 2, 3], width=2, max_tokens=3, arrival=0.0)
+    (r0,) = sent
+    assert (r0.request_id, r0.prompt_token_ids, r0.fork_of, r0.keep_kv_s) == ("s#r0b0", [1, 2, 3], None, KEEP_KV_S)
+    assert r0.sampling_params.logprobs == 2 and r0.sampling_params.max_tokens == 1
+    assert d.process([_round_done("s#r0b0", [(7, -0.5), (8, -1.0)])]) == []
+    assert [(r.request_id, r.prompt_token_ids, r.fork_of) for r in sent[1:]] == [
+        ("s#r1b0", [1, 2, 3, 7], "s#r0b0"), ("s#r1b1", [1, 2, 3, 8], "s#r0b0")]
+    assert released == [["s#r0b0"]]
+    # beam 1 (token 8) has both survivors: beam 0 is pruned, its hold released all the same
+    assert d.process([_round_done("s#r1b0", [(5, -3.0), (6, -4.0)])]) == []
+    assert d.process([_round_done("s#r1b1", [(5, -0.1), (6, -0.2)])]) == []
+    last = sent[3:]
+    assert [(r.prompt_token_ids[3:], r.fork_of, r.keep_kv_s) for r in last] == [
+        ([8, 5], "s#r1b1", None), ([8, 6], "s#r1b1", None)]  # the last round holds nothing
+    assert released[-1] == ["s#r1b0", "s#r1b1"]
+    done = d.process([_round_done("s#r2b0", [(9, -0.1), (4, -0.3)]),
+                      _round_done("s#r2b1", [(9, -0.4), (4, -0.5)])])
+    assert done == [("s", [([8, 5, 9], -1.0 + -0.1 + -0.1), ([8, 5, 4], -1.0 + -0.1 + -0.3)],
+                      "length")]
+    assert not d.searches and not d.owns("s#r2b0")
+    d.add("t", [1], width=2, max_tokens=4, arrival=0.0)
+    d.process([_round_done("t#r0b0", [(7, -0.5), (8, -1.0)])])
+    d.process([_round_done("t#r1b0", [(5, -3.0), (6, -4.0)])])  # held; t#r1b1 still runs
+    assert d.abort("t") and released[-1] == ["t#r1b1", "t#r1b0"] and not d.abort("t")
+    d.add("u", [1], width=2, max_tokens=4, arrival=0.0)
+    failed = EngineCoreOutput(request_id="u#r0b0", error="failed")
+    assert d.process([failed]) == [("u", [([], 0.0)], "failed")] and not d.searches

@@ -288,11 +288,12 @@ def test_preemption_modes_keep_greedy_outputs(tiny_models: dict[str, Path], refe
 def test_beam_search_beside_swap_preemption_finishes_and_matches_hf(
         tiny_models: dict[str, Path], hf_llama: Any, reference: dict, first: str) -> None:
     """Beam searches and greedy requests in a pool too small for both, preemption_mode=swap.
-    Requests first: the beams are the youngest, so the victims; a beam swapped out after scoring
-    had nothing left to compute, was never scored again and its search hung. Beams first: forked
-    beams were younger than the requests that came after their search, which took the blocks the
-    parked siblings waited for (swapped out and in every step). Beams are recomputed and keep
-    their search's arrival; a step cap turns a hang into a failure."""
+    Beam search runs above the core (``engine/beam.py``): its rounds are ordinary 1-token
+    requests, swapped like any other. Requests first: the beams' round requests are the youngest,
+    so the victims, and come back from the host tier (when beams lived in the core, one swapped
+    out after scoring was never scored again, so beams were never swapped). Beams first: a round
+    forked on held blocks keeps its search's place in line (``sched/holds.py``), so requests that
+    came after the search cannot starve it. A step cap turns a hang into a failure."""
     llm = _llm(tiny_models, num_kv_blocks=32, max_num_batched_tokens=48, swap_space=0.002,
                preemption_mode="swap", reserved_fraction=0.0)
     eng = llm.engine
@@ -316,9 +317,9 @@ def test_beam_search_beside_swap_preemption_finishes_and_matches_hf(
         swapped_beams.update(r.request_id for r in eng.scheduler.swapped if eng.beams.owns(r.request_id))
     assert not eng.has_unfinished_requests(), f"hung: {eng.request_ids()} unfinished"
     kinds = eng.scheduler.preemptions_by_kind
-    # requests swapped; beams, the victims only when they came last, recomputed
-    assert kinds["swap"] > 0 and (kinds["recompute"] > 0) == (first == "requests"), kinds
-    assert not swapped_beams
+    # every preemption a swap; beam rounds among the victims only when they came last
+    assert kinds["swap"] > 0 and kinds["recompute"] == 0, kinds
+    assert bool(swapped_beams) == (first == "requests"), swapped_beams
     searches = [SimpleNamespace(sequences=done[f"b{i}"].outputs) for i in range(3)]
     assert_beams_match_hf(searches, hf_llama, beam_prompts, width, steps)
     _check_all({k: v.outputs for k, v in done.items() if k.startswith("q")}, prompts, reference)

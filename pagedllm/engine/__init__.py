@@ -6,7 +6,7 @@
     input.py        prompts -> token ids (tokenize, validate), the n fan-out of a request
     output.py       the front end's detokenization, stop strings (an abort to the core), logprobs,
                     RequestOutputs (cumulative, delta, final)
-    beam.py         beam search as a kind of request, advanced inside the core's step()
+    beam.py         beam search above the core: rounds of 1-token requests on held KV
     drive.py        drive(): the one offline loop over a workload (LLM, generate, bench, planner)
 
     messages.py     EngineCoreRequest / EngineCoreOutputs: plain data (msgspec) to and from the core

@@ -14,7 +14,7 @@ from typing import Any
 
 from pagedllm.args import EngineArgs
 from pagedllm.config import EngineConfig
-from pagedllm.engine.beam import MAX_BEAM_WIDTH, BeamSearch
+from pagedllm.engine.beam import MAX_BEAM_WIDTH, BeamSearchDriver
 from pagedllm.engine.drive import Submission, drive
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input import PromptType, load_prompts
@@ -47,6 +47,8 @@ class LLMEngine:
         self.tokenizer = self.core.tokenizer  # one process: the front end shares the core's
         self.input = self.core.input
         self.output = OutputProcessor(self.tokenizer)
+        # beam search above the core: rounds of 1-token requests (``pagedllm.engine.beam``)
+        self.beams = BeamSearchDriver(self.core.add_request, self.core.abort_requests)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs,
@@ -92,10 +94,6 @@ class LLMEngine:
     @property
     def spec(self) -> SpecDecoder | None:
         return self.core.spec
-
-    @property
-    def beams(self) -> BeamSearch:
-        return self.core.beams
 
     @property
     def stats(self) -> StepStats:
@@ -147,8 +145,9 @@ class LLMEngine:
 
     def add_beam_search(self, request_id: str, prompt: PromptType, beam_width: int,
                         max_tokens: int, arrival_time: float | None = None) -> None:
-        """Queue a beam search (``pagedllm.engine.beam``); its one output, when it finishes,
-        holds ``beam_width`` sequences best first, ``cumulative_logprob`` = the beam's score."""
+        """Queue a beam search, which this front end runs in rounds of ordinary requests
+        (``pagedllm.engine.beam``); its one output, when it finishes, holds ``beam_width``
+        sequences best first, ``cumulative_logprob`` = the beam's score."""
         self._check_new_id(request_id)
         if not 1 <= beam_width <= MAX_BEAM_WIDTH:
             raise ValueError(f"beam_width={beam_width} must be in [1, {MAX_BEAM_WIDTH}]")
@@ -159,9 +158,8 @@ class LLMEngine:
         if len(ids) + max_tokens > max_len:
             raise ValueError(f"a prompt of {len(ids)} tokens + max_tokens={max_tokens} exceeds "
                              f"max_model_len={max_len}")
-        self.core.scheduler.check_fits(len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self.core.beams.add(request_id, ids, beam_width, max_tokens, arrival)
+        self.beams.add(request_id, ids, beam_width, max_tokens, arrival)
         self.output.add_beam_search(request_id, ids, arrival)
 
     def _check_new_id(self, request_id: str) -> None:
@@ -172,7 +170,8 @@ class LLMEngine:
         """Stop a request; its blocks return to the pool. Returns False if it is unknown."""
         if not self.output.remove(request_id):
             return False
-        self.core.abort_requests([request_id])
+        if not self.beams.abort(request_id):
+            self.core.abort_requests([request_id])
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -191,6 +190,9 @@ class LLMEngine:
         processed = self.output.process(outs)
         if processed.aborts:  # stop strings: the core forgets them before its next step
             self.core.abort_requests(processed.aborts, outs.stats)
+        for rid, beams, why in self.beams.process(outs.outputs):  # and the next beam rounds
+            if (done := self.output.finish_beam_search(rid, beams, why)) is not None:
+                processed.outputs.append(done)
         return processed.outputs
 
     # -- introspection ----------------------------------------------------------------------------
@@ -202,7 +204,7 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.core.check_integrity()
         # (the core may also hold requests of another front end: a client driving it)
-        lost = set(self.output.groups) - set(self.core.request_ids())
+        lost = set(self.output.groups) - set(self.core.request_ids()) - set(self.beams.searches)
         assert not lost, f"requests live in the front end but not in the core: {sorted(lost)}"
 
     @property

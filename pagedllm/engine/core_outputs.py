@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.messages import BeamSequence, EngineCoreOutput, PromptLogprobs, TokenLogprobs
+from pagedllm.engine.messages import EngineCoreOutput, PromptLogprobs, TokenLogprobs
 from pagedllm.request import Request
 from pagedllm.runner.model_runner import RunnerOutput, SampledToken
 from pagedllm.sched import SchedulerOutput
@@ -23,7 +23,6 @@ class StepOutputs:
         self.before = [(s.request, s.request.num_tokens) for s in sched.scheduled
                        if s.request.request_id in group_of]
         self.result: RunnerOutput | None = None
-        self.beams: list[tuple[str, list[BeamSequence]]] = []  # finished beam searches
 
     def add_tokens(self, result: RunnerOutput) -> None:
         self.result = result
@@ -49,8 +48,6 @@ class StepOutputs:
                 out.new_logprobs = [_logprobs(t) for t in toks]
             outs.append(out)
         outs += [_output(r, []) for r in ended if r.request_id in self.group_of and r.request_id not in seen]
-        outs += [EngineCoreOutput(request_id=rid, finish_reason="length", beams=seqs)
-                 for rid, seqs in self.beams]
         return outs
 
 

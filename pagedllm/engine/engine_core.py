@@ -11,7 +11,7 @@ scheduler -> the executor allocates the KV cache.
 One way a sequence ends. ``Scheduler.finish_request`` is the only code that gives a request a
 finished status (and frees its blocks). The scheduler's own ``update`` calls it for token-level
 stops (eos, stop token ids, length); every other end the core decides (a complete grammar, a
-failed request, an abort, a pruned or finished beam) goes through ``EngineCore._finish``. A stop
+failed request, an abort) goes through ``EngineCore._finish``. A stop
 string is found by the front end, which finishes the request there and sends an abort
 (``tests/test_structure.py`` pins both rules).
 """
@@ -24,7 +24,6 @@ from dataclasses import replace
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.beam import BeamSearch
 from pagedllm.engine.core_outputs import StepOutputs
 from pagedllm.engine.input import InputProcessor
 from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
@@ -83,7 +82,6 @@ class EngineCore:
         self.input = InputProcessor(config, self.tokenizer, self.eos_token_ids)
         self.structured = StructuredOutputManager(self.tokenizer, config.model.vocab_size,
                                                   self.eos_token_ids)
-        self.beams = BeamSearch(self.scheduler, self._finish, config.scheduler.max_model_len)
         self.spec: SpecDecoder | None = build_spec_decoder(config, self.tokenizer, p.num_blocks)
         self.groups: dict[str, list[Request]] = {}  # request id -> its live sequences
         self._group_of: dict[str, str] = {}  # sequence id -> request id
@@ -95,8 +93,10 @@ class EngineCore:
         """Check and queue a tokenized request (its n sequences: ``InputProcessor.fan_out``).
         Raises ValueError without changing any state."""
         rid, ids, params = req.request_id, req.prompt_token_ids, req.sampling_params
-        if self.owns(rid) or rid in self.beams.searches:
+        if self.owns(rid) or rid in self.scheduler.holds:
             raise ValueError(f"request_id {rid!r} is already in use")
+        if (req.keep_kv_s is not None or req.fork_of is not None) and params.n != 1:
+            raise ValueError("keep_kv_s and fork_of need n=1")
         ids = self.input.tokenize(ids)[1]  # checked against the vocabulary
         self.scheduler.check_fits(len(ids))
         self.input.check_params(params, len(ids))
@@ -106,6 +106,7 @@ class EngineCore:
             self.add_lora(lora_request)
         children = self.input.fan_out(rid, ids, params, req.priority, req.arrival_time,
                                       lora_request)
+        children[0].keep_kv_s, children[0].fork_of = req.keep_kv_s, req.fork_of
         try:  # n > 1: children fork the first child's prompt blocks (copy-on-write)
             self.structured.add(children)
             self.scheduler.add_request(children[0], forks=children[1:])
@@ -128,12 +129,12 @@ class EngineCore:
         self.executor.collective_rpc(ModelRunner.add_lora, lora_request)
 
     def owns(self, seq_id: str) -> bool:
-        """A generate request or one of its sequences (not a beam)."""
+        """A request or one of its sequences."""
         return seq_id in self._group_of or seq_id in self.groups
 
     def abort_requests(self, ids: list[str], step: StepStats | None = None) -> list[str]:
-        """Abort requests, single sequences of n > 1 (a stop string found by the front end) or
-        beam searches; returns the ids that were live. ``step``: the record of the step whose
+        """Abort requests or single sequences of n > 1 (a stop string found by the front end);
+        an id held (``keep_kv_s``) ends its hold. Returns the ids that were live. ``step``: the record of the step whose
         outputs led to the aborts (stop strings, in the same process), brought up to date as
         ``stats``; else ``stats`` becomes a snapshot."""
         found = []
@@ -145,8 +146,8 @@ class EngineCore:
                 found.append(rid)
                 for r in list(seqs):
                     self._finish(r.request_id, RequestStatus.FINISHED_ABORTED)
-            elif self.beams.abort(rid):
-                found.append(rid)
+            else:
+                self.scheduler.holds.release(rid)
         if found:
             self._release_ended()
             # the state changed outside a step
@@ -154,15 +155,15 @@ class EngineCore:
         return found
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups) or bool(self.beams.searches)
+        return bool(self.groups)
 
     def request_ids(self) -> list[str]:
-        """The unfinished requests, generate and beam search."""
-        return [*self.groups, *self.beams.searches]
+        """The unfinished requests."""
+        return list(self.groups)
 
     def _finish(self, seq_id: str, status: RequestStatus) -> Request | None:
         """End a sequence for a reason decided outside the scheduler's ``update`` (grammar
-        complete, error, abort, beam pruned or done); its state is released with the step's."""
+        complete, error, abort); its state is released with the step's."""
         req = self.scheduler.finish_request(seq_id, status)
         if req is not None:
             self._ended.append(req)
@@ -206,13 +207,13 @@ class EngineCore:
             finished: list[Request] = []
         else:
             accepted = {rid: len(toks) for rid, toks in result.accepted.items()}
-            finished = self.scheduler.update(sched, self.beams.take(sched, result.sampled), accepted)
+            tokens = {rid: t.token_id for rid, t in result.sampled.items()}
+            finished = self.scheduler.update(sched, tokens, accepted)
             if self.spec is not None:
                 stats.spec = self.spec.record(sched, accepted, self.scheduler.num_steps)
             for rid in self.structured.advance(sched):  # a complete grammar ends its request
                 self._finish(rid, RequestStatus.FINISHED_STOPPED)
             out.add_tokens(result)
-            out.beams = self.beams.select()
             stats.prepare_time_s = result.prepare_s
             if model_input.token_masks is not None:
                 m = model_input.token_masks
@@ -244,20 +245,20 @@ class EngineCore:
             raise error
         culprits = {s.request.request_id: why for s in sched.scheduled
                     if (why := self.input.check_request(s.request)) is not None}
-        groups = {self._group_of.get(rid) for rid in culprits}
-        if not culprits or None in groups:  # none, or a beam (whose input the engine made)
+        if not culprits:
             raise error
-        for gid in sorted(g for g in groups if g is not None):
+        for gid in sorted({self._group_of[rid] for rid in culprits}):
             logger.error("request %s failed inside a step and is ended with finish_reason "
                          "'error' (%s); the other requests continue",
                          gid, "; ".join(str(w) for r, w in culprits.items()
-                                        if self._group_of.get(r) == gid), exc_info=error)
+                                        if self._group_of[r] == gid), exc_info=error)
             for r in list(self.groups[gid]):
                 self._finish(r.request_id, RequestStatus.FINISHED_ERROR)
 
     # -- state ------------------------------------------------------------------------------------
     def shutdown(self) -> None:
         self._closing.close()
+        self.scheduler.holds.release_all()
         self.structured.shutdown()
         self.executor.shutdown()
 
@@ -266,7 +267,9 @@ class EngineCore:
         if self.spec is not None:
             self.spec.check_integrity()  # a draft model's own KV pool
         for rid in self.scheduler.requests:
-            assert rid in self._group_of or self.beams.owns(rid), f"scheduler request {rid} has no owner"
+            assert rid in self._group_of, f"scheduler request {rid} has no owner"
+        for rid in self.scheduler.holds.held:  # a hold is a table in the KV manager, no request
+            assert self.kv.has_request(rid) and rid not in self.scheduler.requests, rid
 
     def current_stats(self) -> StepStats:
         """A record of the engine as it is now, outside any step (``self.stats`` is the last

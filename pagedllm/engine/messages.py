@@ -36,7 +36,14 @@ from pagedllm.sched.stats import StepStats
 
 class EngineCoreRequest(msgspec.Struct, tag=True, kw_only=True):
     """A tokenized request. ``lora_id`` and ``kv_transfer_params`` are reserved for adapters and
-    prefill->decode transfer; the core refuses a request that sets them (nothing reads them yet)."""
+    prefill->decode transfer; the core refuses a request that sets them (nothing reads them yet).
+
+    Held KV (``pagedllm.sched.holds``; n=1 only): ``keep_kv_s`` keeps the request's KV blocks,
+    by reference, that many seconds after it finishes (an ``Abort`` of its id ends the hold
+    sooner); ``fork_of`` starts this request on the held blocks of that request, whose computed
+    tokens its prompt must extend (the prefix shared, a partial last block copied on write). A
+    ``fork_of`` without a hold (expired) is admitted like any request. Beam search's rounds
+    (``pagedllm.engine.beam``) are made of such requests."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -45,6 +52,8 @@ class EngineCoreRequest(msgspec.Struct, tag=True, kw_only=True):
     priority: int = 0
     lora_id: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    keep_kv_s: float | None = None
+    fork_of: str | None = None
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -81,16 +90,11 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
     topk: list[list[tuple[int, float]]]
 
 
-class BeamSequence(msgspec.Struct, array_like=True):
-    token_ids: list[int]  # generated tokens
-    score: float  # the sum of their raw logprobs
-
-
 class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One sequence's step: token ids, no text (the front end detokenizes). ``request_id`` is the
     sequence's id: the request's own for n=1, ``<id>#<i>`` for the i-th of n. ``finish_reason``
     set: the core ended the sequence (``stop_token``: its last token is an eos or stop token id,
-    which the text leaves out). ``beams``: a finished beam search's sequences, best first.
+    which the text leaves out).
     ``error`` set (with the request's id): the core ended the whole request without a result
     ("failed": a failed step; "shutdown": the core is stopping), ``error_detail`` for the log."""
 
@@ -103,7 +107,6 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token: bool = False
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     num_preemptions: int = 0
-    beams: list[BeamSequence] | None = None
     error: str | None = None
     error_detail: str = ""
 

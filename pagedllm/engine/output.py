@@ -140,12 +140,6 @@ class OutputProcessor:
         produced: set[str] = set()  # requests with new tokens (an error may end one without)
         now = time.monotonic()
         for out in core.outputs:
-            if out.beams is not None:
-                group = self.groups.get(out.request_id)
-                if group is not None and group.beam:
-                    done.outputs.append(self._beam_output(group, out))
-                    self.remove(out.request_id)
-                continue
             entry = self._seqs.get(out.request_id)
             if entry is None or entry[1].finish_reason is not None:
                 continue
@@ -276,11 +270,16 @@ class OutputProcessor:
             seq.sent_text, seq.sent_tokens, seq.done = len(text), seq.sent_tokens + len(ids), finish is not None
         return outs
 
-    def _beam_output(self, group: _Group, out: EngineCoreOutput) -> RequestOutput:
-        assert out.beams is not None
-        outs = [CompletionOutput(i, str(self.tokenizer.decode(b.token_ids)), b.token_ids, b.score,
-                                 None, out.finish_reason)
-                for i, b in enumerate(out.beams)]
+    def finish_beam_search(self, request_id: str, beams: list[tuple[list[int], float]],
+                           finish_reason: str) -> RequestOutput | None:
+        """A beam search's one output: its sequences (token ids, score), best first, detokenized;
+        None if the search is unknown (aborted)."""
+        group = self.groups.get(request_id)
+        if group is None or not group.beam:
+            return None
+        self.remove(request_id)
+        outs = [CompletionOutput(i, str(self.tokenizer.decode(ids)), ids, score, None,
+                                 finish_reason) for i, (ids, score) in enumerate(beams)]
         return RequestOutput(group.request_id, None, group.prompt_token_ids, None, outs, True,
                              RequestMetrics(arrival_time=group.arrival_time))
 

@@ -134,7 +134,8 @@ class LLM:
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], beam_width: int,
                     max_tokens: int) -> list[BeamSearchOutput]:
-        """Beam search; beams share KV blocks by fork (see ``pagedllm.engine.beam``). Returns,
+        """Beam search, run in rounds of 1-token requests whose KV each round's requests start on
+        (held blocks, shared by fork: ``pagedllm.engine.beam``). Returns,
         per prompt, ``beam_width`` sequences best first with their summed logprobs."""
         add = self.engine.add_beam_search
         outs = self._run([partial(add, prompt=p, beam_width=beam_width, max_tokens=max_tokens)

@@ -39,6 +39,7 @@ from pagedllm.kv.manager import KVCacheManager, PrefixHit
 from pagedllm.lora.request import LoRAPlaces
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sched.admission import check_fits
+from pagedllm.sched.holds import KVHolds
 from pagedllm.sched.memory import KVMemoryPolicy
 from pagedllm.sched.output import ScheduledRequest, SchedulerOutput
 from pagedllm.sched.preemption import PreemptionCost, choose_preemption
@@ -68,17 +69,20 @@ class Scheduler:
         # n > 1: parent id -> children forked from it once its prompt (less the last token) is in
         self._forks: dict[str, list[Request]] = {}
         self._fork_parent: dict[str, str] = {}  # pending child id -> parent id
+        self.holds = KVHolds(kv)  # finished requests' blocks kept for a later fork_of
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, req: Request, forks: list[Request] | None = None) -> None:
         """Queue ``req``. ``forks`` (n > 1 siblings with the same prompt) are not prefilled: when
         ``req`` has computed all but the last prompt token they fork its block table (shared by
-        reference count, copy-on-write) and join the running batch."""
+        reference count, copy-on-write) and join the running batch. A ``req.fork_of`` held
+        (``sched/holds.py``) starts on its blocks and runs at once, in its place in line."""
         forks = list(forks or [])
         for r in [req, *forks]:
-            if r.request_id in self.requests:
+            if r.request_id in self.requests or r.request_id in self.holds:
                 raise ValueError(f"request_id {r.request_id!r} is already in use")
         self.check_fits(req.num_prompt_tokens)
+        kept = None if forks else self.holds.fork(req)  # its arrival_seq, if it forked a hold
         if req.num_prompt_tokens < 2:  # nothing to share: queue them as independent requests
             reqs, forks = [req, *forks], []
         else:
@@ -87,6 +91,11 @@ class Scheduler:
             r.arrival_seq = next(self._arrivals)
             r.status = RequestStatus.WAITING
             self.requests[r.request_id] = r
+        if kept is not None:  # forked on a held request's blocks: keeps its place, runs now
+            req.fork_seq, req.arrival_seq = req.arrival_seq, kept
+            req.status = RequestStatus.RUNNING
+            self._insert_running(req)
+            return
         for r in reqs:
             heapq.heappush(self.waiting, (r.sort_key, r))
         if forks:
@@ -117,7 +126,7 @@ class Scheduler:
             del self._fork_parent[child.request_id]
             heapq.heappush(self.waiting, (child.sort_key, child))
         req.status = status
-        self.kv.free(request_id)
+        self.holds.keep_or_free(req)  # its blocks back to the pool, or held (``keep_kv_s``)
         return req
 
     def has_unfinished_requests(self) -> bool:
@@ -187,6 +196,7 @@ class Scheduler:
         """The step's work. ``proposals`` (speculative decoding): request id -> tokens proposed
         to follow its tokens; a decode verifies what fits (``ScheduledRequest.spec_token_ids``)."""
         self.num_steps += 1
+        self.holds.expire()
         out = SchedulerOutput()
         self.memory.grow(out, self.requests.values(), len(self.running))
         budget = self.config.max_num_batched_tokens
@@ -216,6 +226,8 @@ class Scheduler:
         """Tokens allocated for ``req`` (``n``, or a shorter windowed chunk); 0 if it was
         preempted itself."""
         while not (got := self._allocate_chunk(req, req.num_computed_tokens, n)):
+            if self.holds.release_oldest():  # held KV goes before any running request
+                continue
             victim = self.running[-1]  # least urgent: sorted by (priority, arrival)
             self._preempt(victim, out)
             if victim is req:
@@ -238,6 +250,8 @@ class Scheduler:
                 continue
             if from_host:
                 used = self._swap_in(req, out, budget)
+                if used is None and self.holds.release_oldest():
+                    continue
                 if used is None:
                     refund = self._preempt_for(req, out)
                     if refund is None:
@@ -255,6 +269,8 @@ class Scheduler:
             if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = self._allocate_chunk(req, computed, min(n, budget), prefix)
+            if not n and self.holds.release_oldest():
+                continue
             if not n:
                 refund = self._preempt_for(req, out)
                 if refund is None:
@@ -279,10 +295,9 @@ class Scheduler:
         """Swap the victim to the host tier or free it for recompute (``preemption_mode``)."""
         self.running.remove(req)
         rid = req.request_id
-        how, why = (choose_preemption(self.config.preemption_mode, self.cost_model,
-                                      req.num_computed_tokens, len(self.kv.held_blocks(rid)),
-                                      self.kv.num_free_host_blocks)
-                    if req.swappable else ("recompute", "not swappable (a beam)"))
+        how, why = choose_preemption(self.config.preemption_mode, self.cost_model,
+                                     req.num_computed_tokens, len(self.kv.held_blocks(rid)),
+                                     self.kv.num_free_host_blocks)
         pairs = self.kv.swap_out(rid) if how == "swap" else None
         if pairs is not None:
             out.kv.swap_out.extend(pairs)
@@ -349,19 +364,6 @@ class Scheduler:
             child.num_computed_tokens = point
             child.status = RequestStatus.RUNNING
             self._insert_running(child)
-
-    def fork_request(self, parent: Request, child: Request) -> None:
-        """Start ``child`` (e.g. a beam) running on ``parent``'s computed blocks, by reference.
-        ``child.token_ids`` must extend ``parent``'s first ``num_computed_tokens`` tokens."""
-        if child.request_id in self.requests:
-            raise ValueError(f"request_id {child.request_id!r} is already in use")
-        self.kv.fork(parent.request_id, child.request_id, parent.num_computed_tokens)
-        # a beam keeps its search's place in line (later requests would starve it otherwise)
-        child.arrival_seq, child.fork_seq = parent.arrival_seq, next(self._arrivals)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.status = RequestStatus.RUNNING
-        self.requests[child.request_id] = child
-        self._insert_running(child)
 
     def end_step(self) -> SchedulerOutput | None:
         """After a step's outputs are processed: the KV-only step that compacts (a trigger fired)

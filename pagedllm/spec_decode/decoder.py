@@ -11,8 +11,8 @@ runner verifies them (``SeqInput.spec_token_ids``, spec_decode/verify.py), ``Sch
 appends the accepted ones and rolls the KV back past them (``KVCacheManager.rollback``), and
 ``record`` counts the step.
 
-Requests that never propose (they run as plain decodes in the same step): beams (their step is
-scored, not appended), requests with presence / frequency / repetition penalties (the penalty of
+Requests that never propose (they run as plain decodes in the same step): requests with one
+token left (beam search's rounds: ``max_tokens=1``), requests with presence / frequency / repetition penalties (the penalty of
 row j would depend on the proposals before it), requests still under ``min_tokens``, and requests
 with bad words (a word's ban at row j depends on the proposals before it).
 """
@@ -81,7 +81,7 @@ class SpecDecoder:
                 step: int) -> dict[str, list[int]]:
         """This step's proposals of the running requests that propose: request id -> tokens to
         follow its ``token_ids`` (non-empty; the requests are only read). ``owns``: whether a
-        request may speculate (not a beam)."""
+        request may speculate (one of the core's requests)."""
         decoding = [r for r in running
                     if r.num_computed_tokens == r.num_tokens - 1 and owns(r.request_id)]
         if not decoding or not self.rule.batch_allows(len(decoding)):
