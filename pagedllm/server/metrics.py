@@ -97,7 +97,14 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("pagedllm:e2e_request_latency_seconds", "Arrival to last token.", lab,
                              buckets=E2E_BUCKETS, registry=r)
+        self.lora_requests = Counter("pagedllm:lora_requests", "Requests (one per prompt) run by "
+                                     "each LoRA adapter.", ["model_name", "lora_name"], registry=r)
         self.registry.register(_EngineStateCollector(client, model_name))
+
+    def count_lora(self, lora_name: str | None, n: int) -> None:
+        """``n`` requests accepted for adapter ``lora_name`` (None: the base, not counted)."""
+        if lora_name is not None:
+            self.lora_requests.labels(self.model_name, lora_name).inc(n)
 
     def on_step(self, stats: StepStats, engine: int = 0) -> None:
         """Count one step's tokens and observe its latencies (of engine core ``engine``)."""
