@@ -214,3 +214,78 @@ def test_lora_metrics_and_every_block_back(served: str) -> None:
     assert state["tables"] == {} and state["requests"] == []
     assert set(state["blocks"]) <= {".", "c"}  # free, or free and cached
     assert value("pagedllm:kv_cache_usage_perc", 'engine="0"') == 0
+
+
+def test_core_resolves_lora_id_by_name(offline: LLM, adapters: dict[str, Path]) -> None:
+    """The core's side, without a server: a request's ``lora_id`` names a registered adapter;
+    an unknown or unregistered name is refused with nothing queued."""
+    from pagedllm.engine.messages import EngineCoreRequest
+
+    core = offline.engine.core
+    sp = SamplingParams(temperature=0.0, max_tokens=2)
+
+    def req(rid: str, lora_id: str) -> EngineCoreRequest:
+        return EngineCoreRequest(request_id=rid, prompt_token_ids=[5, 6, 7], sampling_params=sp,
+                                 arrival_time=0.0, lora_id=lora_id)
+
+    with pytest.raises(ValueError, match="'x' is not loaded"):
+        core.add_request(req("r0", "x"))
+    core.register_lora("x", 40, str(adapters["attn_r4"]))
+    with pytest.raises(ValueError, match="'x' is already loaded"):
+        core.register_lora("x", 41, str(adapters["attn_r4"]))
+    with pytest.raises(ValueError, match="'y'.*missing file"):
+        core.register_lora("y", 42, "/nothing/here")
+    core.add_request(req("r1", "x"))
+    assert core.groups["r1"][0].lora_request == LoRARequest("x", 40, str(adapters["attn_r4"]))
+    core.unregister_lora("x")  # r1 runs on with it
+    with pytest.raises(ValueError, match="'x' is not loaded"):
+        core.add_request(req("r2", "x"))
+    while core.has_unfinished_requests():
+        core.step()
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
+def test_lora_modules_flag() -> None:
+    from pagedllm.server.lora import parse_lora_modules
+
+    assert parse_lora_modules(["a=/x", " b = /y "]) == {"a": "/x", "b": "/y"}
+    assert parse_lora_modules("a=/x b=/y") == {"a": "/x", "b": "/y"}  # a YAML string
+    for bad in (["a"], ["=/x"], ["a="], ["a=/x", "a=/y"]):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_modules(bad)
+
+
+def test_lora_modules_need_enable_lora(lora_base: Path, adapters: dict[str, Path]) -> None:
+    from pagedllm.engine import LLMEngine
+    from pagedllm.server.api import build_app
+
+    engine = LLMEngine.from_args(model=str(lora_base), num_kv_blocks=16, block_size=16,
+                                 max_model_len=128)
+    try:
+        with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+            build_app(engine, lora_modules={"a": str(adapters["attn_r4"])})
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow  # a server and two engine-core processes
+def test_two_replicas_each_serve_the_adapters(lora_base: Path, adapters: dict[str, Path],
+                                              offline: LLM) -> None:
+    """--data-parallel-size 2: every replica learns each adapter (start-up and runtime), so
+    requests routed to either run it; the tokens equal the offline engine's."""
+    with serve_process(str(lora_base), "--served-model-name", "base", "--api-key", KEY,
+                       "--enable-lora", "--max-lora-rank", "16", "--lora-modules",
+                       f"attn_r4={adapters['attn_r4']}", "--allow-runtime-lora-updating",
+                       "-dp", "2", "--data-parallel-threads", "1", "--routing-policy",
+                       "round_robin", "--dtype", "float32", "--num-kv-blocks", "128",
+                       "--block-size", "16", timeout=180) as (_, base):
+        body = {"lora_name": "v_down_r2", "lora_path": str(adapters["v_down_r2"])}
+        assert httpx.post(base + "/v1/load_lora_adapter", headers=HEADERS, json=body).status_code == 200
+        r = httpx.post(base + "/v1/load_lora_adapter", headers=HEADERS,
+                       json={"lora_name": "bad", "lora_path": "/nothing"})
+        assert r.status_code == 400 and "'bad'" in r.json()["error"]["message"]
+        jobs = [(m, p) for m in ("attn_r4", "v_down_r2", "base") for p in PROMPTS[:2]]
+        got = asyncio.run(_served_tokens(base, jobs * 2))  # round robin: each on both replicas
+        want = [offline_tokens(offline, _lora(adapters, None if m == "base" else m), p)
+                for m, p in jobs]
+        assert got == want * 2
