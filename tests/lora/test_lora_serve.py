@@ -73,6 +73,7 @@ async def _served_tokens(base: str, jobs: list[tuple[str, list[int]]]) -> list[l
         rs = await asyncio.gather(*(c.post("/v1/completions", json=_completion(m, p))
                                     for m, p in jobs))
     assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
+    assert [r.json()["model"] for r in rs] == [m for m, _ in jobs]  # the adapter's name, as vLLM
     return [_tokens(r.json()["choices"][0]) for r in rs]
 
 
@@ -104,6 +105,7 @@ def test_mixed_concurrent_batch_matches_offline(served: str, offline: LLM,
         ref = offline.chat(CHAT, sp, use_tqdm=False, chat_template=CHAT_TEMPLATE,
                            lora_request=_lora(adapters, None if m == "base" else m))
         assert r.json()["choices"][0]["message"]["content"] == ref[0].outputs[0].text
+        assert r.json()["model"] == m
 
 
 def test_prefix_cache_never_crosses_adapters(served: str) -> None:
@@ -183,7 +185,9 @@ def test_unload_with_a_request_in_flight_lets_it_finish(served: str, offline: LL
         for line in s.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            text.append(json.loads(line[6:])["choices"][0]["text"])
+            chunk = json.loads(line[6:])
+            assert chunk["model"] == name
+            text.append(chunk["choices"][0]["text"])
             if in_flight is None:  # the first token is out: unload while the rest runs
                 r = httpx.post(served + "/v1/unload_lora_adapter", headers=HEADERS,
                                json={"lora_name": name})
