@@ -193,6 +193,8 @@ def test_unload_with_a_request_in_flight_lets_it_finish(served: str, offline: LL
                                json={"lora_name": name})
                 assert r.status_code == 200, r.text
                 in_flight = _metric(served, "pagedllm:num_requests_running") == 1
+                info = _metric_line(served, "pagedllm:lora_requests_info")
+                assert f'running_lora_adapters="{name}"' in info and 'max_lora="2"' in info
     assert in_flight, "the request ran on after the unload"
     ref = offline.generate({"prompt_token_ids": PROMPTS[0]},
                            SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True),
@@ -202,9 +204,12 @@ def test_unload_with_a_request_in_flight_lets_it_finish(served: str, offline: LL
     assert r.status_code == 404
 
 
+def _metric_line(base: str, name: str) -> str:
+    return next(m for m in httpx.get(base + "/metrics").text.splitlines() if m.startswith(name + "{"))
+
+
 def _metric(base: str, name: str) -> float:
-    line = next(m for m in httpx.get(base + "/metrics").text.splitlines() if m.startswith(name + "{"))
-    return float(line.split()[-1])
+    return float(_metric_line(base, name).split()[-1])
 
 
 def test_lora_metrics_and_every_block_back(served: str) -> None:
@@ -218,6 +223,8 @@ def test_lora_metrics_and_every_block_back(served: str) -> None:
     assert state["tables"] == {} and state["requests"] == []
     assert set(state["blocks"]) <= {".", "c"}  # free, or free and cached
     assert value("pagedllm:kv_cache_usage_perc", 'engine="0"') == 0
+    info = _metric_line(served, "pagedllm:lora_requests_info")  # idle: no adapter runs or waits
+    assert 'running_lora_adapters=""' in info and 'waiting_lora_adapters=""' in info
 
 
 def test_core_resolves_lora_id_by_name(offline: LLM, adapters: dict[str, Path]) -> None:
