@@ -97,7 +97,8 @@ class ServerArgs:
         None, "LoRA adapters served from the start (needs --enable-lora): NAME=PATH ..., each "
         "selected by the request's model: NAME", group=S, metavar="NAME=PATH")
     allow_runtime_lora_updating: bool = setting(
-        False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key)",
+        False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key; "
+        "also $PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
         group=S)
     disable_log_stats: bool = setting(
         False, "do not log throughput, running/waiting requests and KV cache usage every "

@@ -83,7 +83,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     allowed_origins=allowed_origins,
                     log_stats_interval=None if srv.disable_log_stats else stats_interval(),
                     lora_modules=lora_modules,
-                    allow_runtime_lora_updating=srv.allow_runtime_lora_updating)
+                    allow_runtime_lora_updating=srv.allow_runtime_lora_updating
+                    or envs.is_on("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"))
     if srv.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {srv.host} without --api-key", flush=True)
     # SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to --drain-timeout,

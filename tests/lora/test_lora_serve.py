@@ -281,13 +281,14 @@ def test_lora_modules_need_enable_lora(lora_base: Path, adapters: dict[str, Path
 
 @pytest.mark.slow  # a server and two engine-core processes
 def test_two_replicas_each_serve_the_adapters(lora_base: Path, adapters: dict[str, Path],
-                                              offline: LLM) -> None:
+                                              offline: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """--data-parallel-size 2: every replica learns each adapter (start-up and runtime), so
-    requests routed to either run it; the tokens equal the offline engine's."""
+    requests routed to either run it; the tokens equal the offline engine's. The runtime
+    endpoints by the environment variable instead of the flag."""
+    monkeypatch.setenv("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
     with serve_process(str(lora_base), "--served-model-name", "base", "--api-key", KEY,
                        "--enable-lora", "--max-lora-rank", "16", "--lora-modules",
-                       f"attn_r4={adapters['attn_r4']}", "--allow-runtime-lora-updating",
-                       "-dp", "2", "--data-parallel-threads", "1", "--routing-policy",
+                       f"attn_r4={adapters['attn_r4']}", "-dp", "2", "--data-parallel-threads", "1", "--routing-policy",
                        "round_robin", "--dtype", "float32", "--num-kv-blocks", "128",
                        "--block-size", "16", timeout=180) as (_, base):
         body = {"lora_name": "v_down_r2", "lora_path": str(adapters["v_down_r2"])}
