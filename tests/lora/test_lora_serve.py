@@ -121,6 +121,25 @@ def test_prefix_cache_never_crosses_adapters(served: str) -> None:
     assert _metric(served, hits) >= before + 48
 
 
+def test_official_openai_client(served: str, offline: LLM, adapters: dict[str, Path]) -> None:
+    """The ``openai`` package: adapters listed with their parent, an adapter selected by
+    ``model``, an unknown model its NotFoundError."""
+    from openai import NotFoundError, OpenAI
+
+    client = OpenAI(base_url=served + "/v1", api_key=KEY)
+    cards = {m.id: m for m in client.models.list().data}
+    extra = cards["attn_r4"].model_extra or {}
+    assert (extra["root"], extra["parent"]) == (str(adapters["attn_r4"]), "base")
+    r = client.completions.create(model="all_r8_rslora", prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                                  temperature=0.0, extra_body={"ignore_eos": True})
+    ref = offline.generate({"prompt_token_ids": PROMPTS[1]},
+                           SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                           use_tqdm=False, lora_request=_lora(adapters, "all_r8_rslora"))
+    assert r.model == "all_r8_rslora" and r.choices[0].text == ref[0].outputs[0].text
+    with pytest.raises(NotFoundError):
+        client.completions.create(model="nope", prompt="hi", max_tokens=1)
+
+
 def test_unknown_model_is_404(served: str) -> None:
     for path, body in (("/v1/completions", {"prompt": [1, 2]}),
                        ("/v1/chat/completions", {"messages": CHAT})):
