@@ -58,6 +58,9 @@ ENV_VARS = (
     EnvVar("PAGEDLLM_LOG_STATS_INTERVAL", TEXT, None,
            "pagedllm serve: seconds between two periodic stats lines (default 10; vLLM's "
            "VLLM_LOG_STATS_INTERVAL)"),
+    EnvVar("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", SWITCH, "0",
+           "pagedllm serve: 1 serves /v1/load_lora_adapter and /v1/unload_lora_adapter as "
+           "--allow-runtime-lora-updating does (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)"),
     EnvVar("PAGEDLLM_VLLM_PYTHON", TEXT, None,
            "bench throughput / serve: the Python of a venv with vLLM when --vllm-python is not "
            "given"),

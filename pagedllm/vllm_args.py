@@ -84,12 +84,9 @@ VLLM_SETTINGS: dict[str, VllmSetting] = {
         "a model with a window attends within it (docs/features/sliding-window.md)", True),
     "skip_tokenizer_init": VllmSetting(
         "the engine needs the tokenizer (stop strings, detokenizing)", True),
-    "lora_modules": _refused("the server does not load LoRA adapters yet; use "
-                             "LLM(enable_lora=True) and generate(..., lora_request=...)",
-                             api=False),
 }
 # serve flags that take a value but are refused at any value given
-_VALUED = frozenset({"quantization", "lora_modules"})
+_VALUED = frozenset({"quantization"})
 
 
 def flag(name: str) -> str:

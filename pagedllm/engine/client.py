@@ -179,10 +179,12 @@ class EngineClient:
 
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptSource, params: SamplingParams,
-                          stream: OutputStream, priority: int = 0) -> None:
-        """Tokenize (on the tokenizer thread) and queue a request; returns once the core accepted
-        it (its outputs then arrive on ``stream``). Raises the core's ``ValueError`` if it
-        refused the request, ``EngineUnavailable`` if the core is not running."""
+                          stream: OutputStream, priority: int = 0,
+                          lora_name: str | None = None) -> None:
+        """Tokenize (on the tokenizer thread) and queue a request, run by the LoRA adapter
+        ``lora_name`` (one the core serves: utility ``add_lora``) or the base model; returns once
+        the core accepted it (its outputs then arrive on ``stream``). Raises the core's
+        ``ValueError`` if it refused the request, ``EngineUnavailable`` if the core is not running."""
         self._check_running()
         assert self._loop is not None
         arrival = time.monotonic()
@@ -198,7 +200,7 @@ class EngineClient:
         self.output.add(request_id, None, ids, params, arrival)
         self._send(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
                                      sampling_params=params, arrival_time=arrival,
-                                     priority=priority))
+                                     priority=priority, lora_id=lora_name))
         try:
             await accepted
         except asyncio.CancelledError:

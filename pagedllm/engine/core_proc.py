@@ -93,6 +93,8 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "defragment": lambda c: c.defragment(),
     "num_unfinished_requests": lambda c: len(c.request_ids()),
     "check_integrity": _integrity,
+    "add_lora": lambda c, name, lora_int_id, path: c.register_lora(name, lora_int_id, path),
+    "remove_lora": lambda c, name: c.unregister_lora(name),
 }
 
 
@@ -113,8 +115,8 @@ class CoreService:
         return self.core.has_unfinished_requests()
 
     def add(self, req: EngineCoreRequest) -> Accepted | Rejected:
-        if req.lora_id is not None or req.kv_transfer_params is not None:
-            return Rejected(req.request_id, "lora_id and kv_transfer_params are not supported yet")
+        if req.kv_transfer_params is not None:
+            return Rejected(req.request_id, "kv_transfer_params are not supported yet")
         try:
             self.core.add_request(req)
         except ValueError as e:
@@ -139,6 +141,8 @@ class CoreService:
         try:
             return UtilityResult(call.call_id, result=fn(self.core, *call.args))
         except Exception as e:  # noqa: BLE001 - handed to the caller
+            if isinstance(e, ValueError):  # a refusal (a bad adapter): its message as it is
+                return UtilityResult(call.call_id, error=str(e), error_type="ValueError")
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}",
                                  error_type=type(e).__name__)
 

@@ -84,6 +84,7 @@ class EngineCore:
                                                   self.eos_token_ids)
         self.spec: SpecDecoder | None = build_spec_decoder(config, self.tokenizer, p.num_blocks)
         self.groups: dict[str, list[Request]] = {}  # request id -> its live sequences
+        self.lora_names: dict[str, LoRARequest] = {}  # served adapters (EngineCoreRequest.lora_id)
         self._group_of: dict[str, str] = {}  # sequence id -> request id
         self._ended: list[Request] = []  # sequences ended this step outside ``update``
         self.stats = self.current_stats()  # the last step's record (StepStats)
@@ -91,9 +92,18 @@ class EngineCore:
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest, lora_request: LoRARequest | None = None) -> None:
         """Check and queue a tokenized request (its n sequences: ``InputProcessor.fan_out``).
-        Raises ValueError without changing any state."""
+        Raises ValueError without changing any state. ``req.lora_id``: the name of an adapter
+        served by ``register_lora`` (unless ``lora_request`` is given)."""
         rid, ids, params = req.request_id, req.prompt_token_ids, req.sampling_params
+<<<<<<< HEAD
         if self.owns(rid) or rid in self.scheduler.holds:
+=======
+        if lora_request is None and req.lora_id is not None:
+            lora_request = self.lora_names.get(req.lora_id)
+            if lora_request is None:
+                raise ValueError(f"LoRA adapter {req.lora_id!r} is not loaded")
+        if self.owns(rid) or rid in self.beams.searches:
+>>>>>>> h-lora-serve
             raise ValueError(f"request_id {rid!r} is already in use")
         if (req.keep_kv_s is not None or req.fork_of is not None) and params.n != 1:
             raise ValueError("keep_kv_s and fork_of need n=1")
@@ -127,6 +137,21 @@ class EngineCore:
             raise ValueError(f"lora_request {lora_request.lora_name!r} needs an engine started "
                              "with enable_lora=True (--enable-lora)")
         self.executor.collective_rpc(ModelRunner.add_lora, lora_request)
+
+    def register_lora(self, name: str, lora_int_id: int, path: str) -> None:
+        """Load and check adapter ``name`` (``add_lora``) and serve it by name: a request with
+        ``lora_id=name`` runs it. ValueError naming it and the reason; nothing changes then."""
+        if name in self.lora_names:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        lora = LoRARequest(name, lora_int_id, path)
+        self.add_lora(lora)
+        self.lora_names[name] = lora
+
+    def unregister_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``: a new request naming it is refused; the requests
+        already running it finish with it (they hold its ``LoRARequest``)."""
+        if self.lora_names.pop(name, None) is None:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded")
 
     def owns(self, seq_id: str) -> bool:
         """A request or one of its sequences."""

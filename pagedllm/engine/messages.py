@@ -35,8 +35,9 @@ from pagedllm.sched.stats import StepStats
 
 
 class EngineCoreRequest(msgspec.Struct, tag=True, kw_only=True):
-    """A tokenized request. ``lora_id`` and ``kv_transfer_params`` are reserved for adapters and
-    prefill->decode transfer; the core refuses a request that sets them (nothing reads them yet).
+    """A tokenized request. ``lora_id``: the name of a LoRA adapter the core serves (registered
+    by the ``add_lora`` utility call; None: the base model). ``kv_transfer_params`` is reserved
+    for prefill->decode transfer; the core refuses a request that sets it.
 
     Held KV (``pagedllm.sched.holds``; n=1 only): ``keep_kv_s`` keeps the request's KV blocks,
     by reference, that many seconds after it finishes (an ``Abort`` of its id ends the hold

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from pagedllm.sched.memory import kv_slots, kv_utilization
 
 if TYPE_CHECKING:
+    from pagedllm.request import Request
     from pagedllm.sched.output import SchedulerOutput
     from pagedllm.sched.scheduler import Scheduler
 
@@ -108,6 +109,9 @@ class StepStats:
     inter_token_latency_s: list[float] = field(default_factory=list)  # per request and step
     e2e_latency_s: list[float] = field(default_factory=list)  # of the requests that finished
     finish_reasons: list[str] = field(default_factory=list)  # one per finished sequence
+    # LoRA on: the adapters of the running and the waiting (or swapped) requests, by name
+    running_loras: list[str] = field(default_factory=list)
+    waiting_loras: list[str] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -169,4 +173,12 @@ class StepStats:
         self.swapped_out_blocks, self.swapped_in_blocks = kv.host.stats["out"], kv.host.stats["in"]
         self.window_freed_blocks = kv.num_window_freed
         self.step_time_s = step_time_s
+        if sched.config.max_loras is not None:
+            self.running_loras = lora_names(sched.running)
+            self.waiting_loras = lora_names([r for _, r in sched.waiting] + list(sched.swapped))
         return self
+
+
+def lora_names(requests: list[Request]) -> list[str]:
+    """The adapters ``requests`` run, by name, sorted (the base model's are left out)."""
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})

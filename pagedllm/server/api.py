@@ -38,7 +38,16 @@ from pagedllm.engine.client_inproc import InProcessClient
 from pagedllm.logging_utils import init_logger
 from pagedllm.server.inspector import KVInspector
 from pagedllm.server.openapi import install as install_openapi
-from pagedllm.server.routes import chat, completions, docs, health, inspector, models, tokenize
+from pagedllm.server.routes import (
+    chat,
+    completions,
+    docs,
+    health,
+    inspector,
+    lora,
+    models,
+    tokenize,
+)
 from pagedllm.server.routes.common import RouteOptions
 from pagedllm.server.serving import APIError, ServerLimits, ServerState, served_model_name
 from pagedllm.server.stats_log import StatsLogger
@@ -56,7 +65,9 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
               tool_call_parser: str | None = None,
               chat_template: str | None = None, log_requests: bool = False,
               allowed_origins: list[str] | None = None,
-              log_stats_interval: float | None = None) -> FastAPI:
+              log_stats_interval: float | None = None,
+              lora_modules: dict[str, str] | None = None,
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The app for one engine: an ``EngineClient`` (``pagedllm serve`` passes an ``MPClient``,
     the core in its own process), or an ``LLMEngine``, served by an ``InProcessClient`` (a core
     thread). The client starts and stops with the app's lifespan.
@@ -72,7 +83,10 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
     ``log_requests``: log each request's id, endpoint and sampling parameters;
     ``allowed_origins``: CORS (Starlette's middleware) for these origins ("*": any);
     ``log_stats_interval``: log throughput, queues and KV usage every so many seconds
-    (``server.stats_log``; ``pagedllm serve``: 10, off with --disable-log-stats)."""
+    (``server.stats_log``; ``pagedllm serve``: 10, off with --disable-log-stats);
+    ``lora_modules``: LoRA adapters {name: path} loaded at start-up (needs an engine with
+    ``enable_lora``; a bad one fails the start); ``allow_runtime_lora_updating``: serve
+    /v1/load_lora_adapter and /v1/unload_lora_adapter (``server.lora``)."""
     template = load_chat_template(chat_template)
     if tool_call_parser not in (None, *TOOL_CALL_PARSERS):
         raise ValueError(f"--tool-call-parser {tool_call_parser!r}: choose "
@@ -82,6 +96,8 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
     srv = ServerState(client, names[0] if names else served_model_name(client.config.model.model),
                       api_key, limits or ServerLimits())
     srv.aliases.update(names)  # several names (--served-model-name A B): each is accepted
+    if lora_modules and client.config.lora is None:
+        raise ValueError("--lora-modules needs --enable-lora")
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=_lifespan, openapi_url=None,
                   docs_url=None, redoc_url=None)  # served by routes.docs, behind the key
@@ -92,6 +108,7 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
     app.state.async_engine = client
     app.state.metrics = srv.metrics
     app.state.kv_inspector = KVInspector(client, kv_inspector_show_text) if kv_inspector else None
+    app.state.lora_modules = dict(lora_modules or {})
     app.state.stats_logger = (None if log_stats_interval is None
                               else StatsLogger(client, log_stats_interval))
     _add_error_handlers(app)
@@ -110,6 +127,8 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
         app.include_router(inspector.page_router)
         app.include_router(inspector.router)
     app.include_router(tokenize.router)
+    if allow_runtime_lora_updating:
+        app.include_router(lora.router)
     return app
 
 
@@ -119,6 +138,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     kv: KVInspector | None = app.state.kv_inspector
     stats: StatsLogger | None = app.state.stats_logger
     await client.start()
+    srv: ServerState = app.state.server
+    for name, path in app.state.lora_modules.items():  # a bad adapter fails the start
+        await srv.adapters.load(name, path)
     if kv is not None:
         kv.start()
     stats_task = None if stats is None else asyncio.create_task(stats.run())

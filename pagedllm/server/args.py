@@ -93,6 +93,13 @@ class ServerArgs:
     ssl_cert_reqs: int = setting(
         0, "TLS: whether clients must present a certificate (Python's ssl.CERT_*): 0 no, "
         "1 optional, 2 required", group=S, choices=(0, 1, 2))
+    lora_modules: str | None = setting(
+        None, "LoRA adapters served from the start (needs --enable-lora): NAME=PATH ..., each "
+        "selected by the request's model: NAME", group=S, metavar="NAME=PATH")
+    allow_runtime_lora_updating: bool = setting(
+        False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key; "
+        "also $PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
+        group=S)
     disable_log_stats: bool = setting(
         False, "do not log throughput, running/waiting requests and KV cache usage every "
         f"{STATS_INTERVAL_S:g} s", group=S)

@@ -33,8 +33,8 @@ def register(subparsers: Any) -> None:
     ServerArgs.add_cli_args(p)
     EngineArgs.add_cli_args(p)
     add_vllm_flags(p)
-    for action in p._actions:  # --served-model-name A B ...: several names, as vLLM
-        if action.dest == "served_model_name":
+    for action in p._actions:  # --served-model-name A B ..., --lora-modules: several, as vLLM
+        if action.dest in ("served_model_name", "lora_modules"):
             action.nargs = "+"
     p.set_defaults(func=cmd_serve)
 
@@ -55,11 +55,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine.heap import freeze_startup_heap
     from pagedllm.server.api import ServerLimits, build_app
     from pagedllm.server.drain import DrainingServer
+    from pagedllm.server.lora import parse_lora_modules
 
     check_vllm_flags(args)
     srv = ServerArgs.from_cli(args)
     allowed_origins = origins(srv.allowed_origins)  # a bad list fails before any process starts
     ssl = srv.ssl_config()  # so does a missing certificate
+    lora_modules = parse_lora_modules(srv.lora_modules)  # a list (nargs="+") or a YAML string
     engine_args = EngineArgs.from_cli(args)
     if args.model_pos is not None:
         engine_args = dataclasses.replace(engine_args, model=args.model_pos)
@@ -79,7 +81,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     tool_call_parser=srv.tool_call_parser,
                     chat_template=srv.chat_template, log_requests=srv.enable_log_requests,
                     allowed_origins=allowed_origins,
-                    log_stats_interval=None if srv.disable_log_stats else stats_interval())
+                    log_stats_interval=None if srv.disable_log_stats else stats_interval(),
+                    lora_modules=lora_modules,
+                    allow_runtime_lora_updating=srv.allow_runtime_lora_updating
+                    or envs.is_on("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"))
     if srv.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {srv.host} without --api-key", flush=True)
     # SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to --drain-timeout,

@@ -15,6 +15,7 @@ Every app gets its own ``CollectorRegistry``: several servers in one process do 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 LABELS = ["model_name", "engine"]
+LORA_INFO = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0)
 
@@ -68,6 +70,14 @@ class _EngineStateCollector(Collector):
                      lambda s: s.prefix_cache_hits)
         yield family(C, "pagedllm:num_preemptions", "Preemptions since start-up.",
                      lambda s: s.num_preemptions)
+        lora = self.client.config.lora
+        if lora is not None:  # vLLM's: the adapters as labels, the value the scrape's time
+            m = GaugeMetricFamily("pagedllm:lora_requests_info", "The LoRA adapters of the running "
+                                  "and the waiting requests.", labels=[*LORA_INFO, "engine"])
+            for i, s in records:
+                m.add_metric([str(lora.max_loras), ",".join(s.waiting_loras),
+                              ",".join(s.running_loras), str(i)], time.time())
+            yield m
         if self.client.config.speculative is not None:  # speculative decoding (vLLM's names)
             yield family(C, "pagedllm:spec_decode_num_drafts", "Verifications of proposed tokens.",
                          lambda s: s.spec_total.num_drafts)
@@ -97,7 +107,14 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("pagedllm:e2e_request_latency_seconds", "Arrival to last token.", lab,
                              buckets=E2E_BUCKETS, registry=r)
+        self.lora_requests = Counter("pagedllm:lora_requests", "Requests (one per prompt) run by "
+                                     "each LoRA adapter.", ["model_name", "lora_name"], registry=r)
         self.registry.register(_EngineStateCollector(client, model_name))
+
+    def count_lora(self, lora_name: str | None, n: int) -> None:
+        """``n`` requests accepted for adapter ``lora_name`` (None: the base, not counted)."""
+        if lora_name is not None:
+            self.lora_requests.labels(self.model_name, lora_name).inc(n)
 
     def on_step(self, stats: StepStats, engine: int = 0) -> None:
         """Count one step's tokens and observe its latencies (of engine core ``engine``)."""

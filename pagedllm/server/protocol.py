@@ -350,6 +350,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
     max_model_len: int | None = None
+    root: str | None = None  # a LoRA adapter's path (vLLM's)
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):
@@ -388,8 +390,7 @@ class DetokenizeResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    """``degraded``: serving with fewer engine replicas than it started with (``detail`` says
-    which are down)."""
+    """``degraded``: fewer engine replicas than at start (``detail`` says which are down)."""
 
     status: Literal["ok", "degraded"]
     detail: str | None = None

@@ -155,10 +155,12 @@ def _error_event(e: APIError) -> str:
 class _Chunks:
     """How one endpoint shapes a stream: the chunks before the first delta, one chunk per delta
     of a choice (``offset``: characters of that choice sent before; ``first``: its first
-    chunk), and the usage chunk."""
+    chunk), and the usage chunk. ``model``: the name in each chunk (a LoRA adapter's, else the
+    served model's)."""
 
-    def __init__(self, srv: ServerState, rid: str) -> None:
+    def __init__(self, srv: ServerState, rid: str, model: str | None = None) -> None:
         self.srv, self.rid, self.created = srv, rid, int(time.time())
+        self.model = model or srv.model_name
 
     def head(self) -> list[BaseModel]:
         return []
@@ -173,13 +175,14 @@ class _Chunks:
 
 class CompletionChunks(_Chunks):
     def __init__(self, srv: ServerState, rid: str, index_of: dict[str, int], n: int,
-                 echo: list[str] | None, logprobs: int | None, as_ids: bool = False) -> None:
-        super().__init__(srv, rid)
+                 echo: list[str] | None, logprobs: int | None, as_ids: bool = False,
+                 model: str | None = None) -> None:
+        super().__init__(srv, rid, model)
         self.index_of, self.n, self.echo, self.logprobs = index_of, n, echo, logprobs
         self.as_ids = as_ids
 
     def _response(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> BaseModel:
-        return CompletionResponse(id=self.rid, created=self.created, model=self.srv.model_name,
+        return CompletionResponse(id=self.rid, created=self.created, model=self.model,
                                   choices=choices, usage=usage)
 
     def choice(self, out: RequestOutput, c: CompletionOutput, offset: int,
@@ -203,13 +206,14 @@ class ChatChunks(_Chunks):
     """``plan``: the request's tool calling (``server.tools``), read from each choice's text."""
 
     def __init__(self, srv: ServerState, rid: str, n: int, k: int | None,
-                 plan: ToolPlan | None = None, as_ids: bool = False) -> None:
-        super().__init__(srv, rid)
+                 plan: ToolPlan | None = None, as_ids: bool = False,
+                 model: str | None = None) -> None:
+        super().__init__(srv, rid, model)
         self.n, self.k, self.plan, self.as_ids = n, k, plan, as_ids
         self.tools: dict[int, ToolStream] = {}
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> BaseModel:
-        return ChatCompletionChunk(id=self.rid, created=self.created, model=self.srv.model_name,
+        return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model,
                                    choices=choices, usage=usage)
 
     def head(self) -> list[BaseModel]:

@@ -40,6 +40,7 @@ from pagedllm.logging_utils import init_logger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedllm.server.args import ServerArgs
+from pagedllm.server.lora import ServedAdapters
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.protocol import ErrorInfo, ErrorResponse, SamplingFields
 
@@ -225,6 +226,7 @@ class ServerState:
         self.max_model_len = client.config.scheduler.max_model_len
         self.vocab_size = client.config.model.vocab_size
         self.metrics = ServerMetrics(client, model_name)
+        self.adapters = ServedAdapters(client, self.aliases)  # LoRA: model: <adapter>
         client.stats_listeners.append(self.metrics.on_step)
         self.async_engine = client
 
@@ -239,7 +241,7 @@ class ServerState:
                            code="invalid_api_key")
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.aliases:
+        if name is not None and name not in self.aliases and self.adapters.lora_of(name) is None:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
@@ -330,10 +332,11 @@ class ServerState:
         field (``param``, the prompt's, unless the engine's message names a request field)."""
         stream = OutputStream()
         ids: list[str] = []
+        lora = self.adapters.lora_of(req.model)
         try:
             for i, p in enumerate(prompts):
                 rid = f"{base_id}-{i}"
-                await self.async_engine.add_request(rid, p, params, stream, req.priority)
+                await self.async_engine.add_request(rid, p, params, stream, req.priority, lora)
                 ids.append(rid)
         except ValueError as e:
             self.async_engine.abort_stream(stream)
@@ -351,6 +354,7 @@ class ServerState:
         except BaseException:
             self.async_engine.abort_stream(stream)
             raise
+        self.metrics.count_lora(lora, len(ids))
         return stream, ids
 
     async def collect(self, request: Request, stream: OutputStream, base_id: str) -> dict[str, RequestOutput]:

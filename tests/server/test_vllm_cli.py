@@ -36,7 +36,6 @@ def test_harmless_vllm_flags_warn(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.parametrize(("argv", "flag"), [
     (["--quantization", "awq"], "--quantization"),
-    (["--lora-modules", "a=/x"], "--lora-modules"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
     (["--load-format", "gguf"], "--load-format"),
 ])

@@ -85,9 +85,11 @@ async def chat_completions(request: Request, srv: State, options: Options) -> Re
     rid, base = request_ids(req, "chatcmpl")
     stream, ids = await srv.submit(base, [prompt], params, req, "messages")
     log_request(options, rid, "/v1/chat/completions", params)
+    model = srv.adapters.lora_of(req.model) or srv.model_name  # a LoRA adapter's name, as vLLM
     if req.stream:
         so_opts = req.stream_options
-        gen = stream_deltas(srv, stream, ChatChunks(srv, rid, req.n, k, plan, req.return_tokens_as_token_ids),
+        chunks = ChatChunks(srv, rid, req.n, k, plan, req.return_tokens_as_token_ids, model)
+        gen = stream_deltas(srv, stream, chunks,
                             bool(so_opts and so_opts.include_usage),
                             bool(so_opts and so_opts.continuous_usage_stats))
         return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -106,6 +108,6 @@ async def chat_completions(request: Request, srv: State, options: Options) -> Re
             logprobs=lp, finish_reason=tool_finish_reason(plan, c.finish_reason, calls),
             stop_reason=c.stop_reason))
     usage = usage_info(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
-    resp = ChatCompletionResponse(id=rid, model=srv.model_name, choices=choices, usage=usage,
+    resp = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage,
                                   prompt_logprobs=vllm_prompt_logprobs(out))
     return Response(resp.model_dump_json(), media_type="application/json")

@@ -69,10 +69,11 @@ async def completions(request: Request, srv: State, options: Options) -> Respons
     stream, ids = await srv.submit(base, prompts, params, req, "prompt")
     log_request(options, rid, "/v1/completions", params)
     index_of = {r: i for i, r in enumerate(ids)}
+    model = srv.adapters.lora_of(req.model) or srv.model_name  # a LoRA adapter's name, as vLLM
     if req.stream:
         so_opts = req.stream_options
         chunks = CompletionChunks(srv, rid, index_of, req.n, texts if req.echo else None,
-                                  req.logprobs, req.return_tokens_as_token_ids)
+                                  req.logprobs, req.return_tokens_as_token_ids, model)
         gen = stream_deltas(srv, stream, chunks, bool(so_opts and so_opts.include_usage),
                             bool(so_opts and so_opts.continuous_usage_stats))
         return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -105,7 +106,7 @@ async def completions(request: Request, srv: State, options: Options) -> Respons
             choices.append(CompletionChoice(index=p * req.n + c.index, text=text, logprobs=lp,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                             prompt_logprobs=prompt_lps))
-    resp = CompletionResponse(id=rid, model=srv.model_name, choices=choices,
+    resp = CompletionResponse(id=rid, model=model, choices=choices,
                               usage=usage_info(prompt_tokens, completion_tokens))
     return Response(resp.model_dump_json(), media_type="application/json")
 
