@@ -95,15 +95,11 @@ class EngineCore:
         Raises ValueError without changing any state. ``req.lora_id``: the name of an adapter
         served by ``register_lora`` (unless ``lora_request`` is given)."""
         rid, ids, params = req.request_id, req.prompt_token_ids, req.sampling_params
-<<<<<<< HEAD
-        if self.owns(rid) or rid in self.scheduler.holds:
-=======
         if lora_request is None and req.lora_id is not None:
             lora_request = self.lora_names.get(req.lora_id)
             if lora_request is None:
                 raise ValueError(f"LoRA adapter {req.lora_id!r} is not loaded")
-        if self.owns(rid) or rid in self.beams.searches:
->>>>>>> h-lora-serve
+        if self.owns(rid) or rid in self.scheduler.holds:
             raise ValueError(f"request_id {rid!r} is already in use")
         if (req.keep_kv_s is not None or req.fork_of is not None) and params.n != 1:
             raise ValueError("keep_kv_s and fork_of need n=1")
