@@ -52,6 +52,7 @@ from pagedllm.engine.messages import (
     UtilityResult,
 )
 from pagedllm.logging_utils import init_logger
+from pagedllm.lora.request import LoRARequest, lora_extra_keys
 from pagedllm.router.aggregate import merge_kv_stats, merge_stats
 from pagedllm.router.policy import IMBALANCE_THRESHOLD, ReplicaLoad, make_policy
 from pagedllm.router.prefix_index import lookup_blocks, request_block_hashes
@@ -110,6 +111,8 @@ class DPClient(EngineClient):
         self.num_retried = 0  # requests sent again after their replica died
         self._routes: dict[str, _Route] = {}
         self._call_targets: dict[int, int] = {}  # utility call id -> replica
+        # adapter name -> its blocks' prefix-cache key, from the add_lora calls every replica took
+        self._lora_keys: dict[str, tuple | None] = {}
         self._started = False
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -201,7 +204,8 @@ class DPClient(EngineClient):
             raise EngineUnavailable("no engine replica is running")
         bs = self.config.cache.block_size
         ids = req.prompt_token_ids
-        hashes = request_block_hashes(ids, bs) if self.policy.uses_hashes else []
+        hashes = (request_block_hashes(ids, bs, self._lora_keys.get(req.lora_id))
+                  if self.policy.uses_hashes else [])
         loads = [ReplicaLoad(r.index, len(r.requests), r.kv_usage) for r in live]
         choice = self.policy.choose(hashes, lookup_blocks(len(ids), bs), loads)
         self._routes[req.request_id] = _Route(choice.replica, hashes, req)
@@ -319,6 +323,10 @@ class DPClient(EngineClient):
         out: list[Any] = [None] * len(self.replicas)
         for r, g in zip(live, got):
             out[r.index] = g
+        if name == "add_lora":  # (name, int id, path): its requests' blocks are keyed by the id
+            self._lora_keys[args[0]] = lora_extra_keys(LoRARequest(args[0], args[1], args[2]))
+        elif name == "remove_lora":
+            self._lora_keys.pop(args[0], None)
         return out
 
     async def kv_stats(self) -> dict[str, Any]:
