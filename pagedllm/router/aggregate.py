@@ -67,3 +67,10 @@ def merge_kv_stats(per_replica: Sequence[dict[str, Any] | None]) -> dict[str, An
     out["spec_decode_mean_accepted_length"] = spec.mean_accepted_length
     out["replicas"] = list(per_replica)
     return out
+
+
+def engine_row(index: int, alive: bool, stats: StepStats, routed: int) -> dict[str, Any]:
+    """One replica's line in the KV inspector's ``engines`` table."""
+    return {"engine": index, "alive": alive, "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting, "used_blocks": stats.kv.used,
+            "num_blocks": stats.kv.total, "routed": routed}

@@ -8,25 +8,22 @@
     add_request ─▶ tokenize ─▶ policy.choose ─▶ EngineCoreRequest ─▶ link i (process | Ray actor)
     abort ─────────────────────────────────────▶ Abort ─▶ the replica that owns the request
     OutputStream ◀─ RequestOutput ◀─ EngineCoreOutputs ◀─ step (+ its KV events ─▶ policy)
-    stats: each replica's records (engine="i" on /metrics), their sum; kv_stats: summed + each
 
-The replicas are ``CoreLink``s: ``engine.core_link.ProcessLink`` (``--data-parallel-backend
-mp``) or ``router.ray_link.RayLink`` (``ray``: a Ray actor per replica, placed by Ray). The
-policy (``router.policy``) sees each replica's load (requests routed there and not finished,
-KV usage) and, for ``cache_aware``, the exact block hashes its KV events report.
-
-A replica that dies leaves routing. Its requests whose outputs have not reached their stream yet
-are sent again to a live replica (from scratch: nothing of them was shown); the others end
-with an ``EngineError`` (an error event). ``degraded`` names the replicas that are down (``/health``
-says so); with none left the client is dead, as a single core's would be.
+Replicas are ``CoreLink``s (``ProcessLink`` for ``mp``, ``RayLink`` for ``ray``); the policy
+(``router.policy``) sees each one's load and, for ``cache_aware``, its KV events' block hashes.
+A replica that dies leaves routing: its requests that streamed nothing yet go to a live replica
+(from scratch), the others end with an ``EngineError``; ``degraded`` names the ones down. While
+serving, ``add_replica`` starts one more and ``remove_replica`` drains one and stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
+from dataclasses import replace
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 from pagedllm.args import EngineArgs
 from pagedllm.config import EngineConfig
@@ -39,7 +36,7 @@ from pagedllm.engine.client import (
     ServerShuttingDown,
 )
 from pagedllm.engine.client_mp import FrontEndIdle, watch_link
-from pagedllm.engine.core_link import WATCH_S, CoreLink, ProcessLink
+from pagedllm.engine.core_link import WATCH_S, CoreLink
 from pagedllm.engine.core_proc import CoreOptions
 from pagedllm.engine.messages import (
     Abort,
@@ -53,37 +50,15 @@ from pagedllm.engine.messages import (
 )
 from pagedllm.logging_utils import init_logger
 from pagedllm.lora.request import LoRARequest, lora_extra_keys
-from pagedllm.router.aggregate import merge_kv_stats, merge_stats
+from pagedllm.router.aggregate import engine_row, merge_kv_stats, merge_stats
 from pagedllm.router.policy import IMBALANCE_THRESHOLD, ReplicaLoad, make_policy
 from pagedllm.router.prefix_index import lookup_blocks, request_block_hashes
+from pagedllm.router.replica import Replica, Route, make_link
 from pagedllm.sched.stats import StepStats
 
 logger = init_logger(__name__)
 
 BACKENDS = ("mp", "ray")
-
-
-class Replica:
-    """One engine core behind the client."""
-
-    def __init__(self, index: int, link: CoreLink) -> None:
-        self.index = index
-        self.link = link
-        self.stats = StepStats()  # its latest record
-        self.dead: str | None = None  # why it left routing
-        self.requests: set[str] = set()  # routed here and not finished
-        self.computed_prefill_tokens = 0  # prompt positions its steps computed
-
-    @property
-    def kv_usage(self) -> float:
-        kv = self.stats.kv
-        return kv.used / kv.total if kv.total else 0.0
-
-
-class _Route(NamedTuple):
-    replica: int
-    hashes: list[str]
-    request: EngineCoreRequest | None  # to send again if its replica dies; None once streamed
 
 
 class DPClient(EngineClient):
@@ -104,15 +79,16 @@ class DPClient(EngineClient):
         super().__init__(FrontEnd(config), StepStats())
         self.policy = make_policy(policy, imbalance_threshold)
         threads = num_threads or max(1, (os.cpu_count() or 1) // size)
-        self.replicas = [
-            Replica(i, _make_link(engine_args, backend, CoreOptions(
-                batch_wait_ms, threads, kv_events=self.policy.uses_hashes, data_parallel_rank=i)))
-            for i in range(size)]
+        self._engine_args, self._backend = engine_args, backend
+        self._options = CoreOptions(batch_wait_ms, threads, kv_events=self.policy.uses_hashes)
+        self.replicas = [Replica(i, self._link(i)) for i in range(size)]
+        self._scaling = asyncio.Lock()
         self.num_retried = 0  # requests sent again after their replica died
-        self._routes: dict[str, _Route] = {}
+        self._routes: dict[str, Route] = {}
         self._call_targets: dict[int, int] = {}  # utility call id -> replica
-        # adapter name -> its blocks' prefix-cache key, from the add_lora calls every replica took
-        self._lora_keys: dict[str, tuple | None] = {}
+        # adapter name -> (its add_lora call's args, its blocks' prefix-cache key), from the
+        # add_lora calls every replica took (a replica added later takes them too)
+        self._loras: dict[str, tuple[tuple[Any, ...], tuple | None]] = {}
         self._started = False
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -158,17 +134,23 @@ class DPClient(EngineClient):
         return [r for r in self.replicas if r.dead is None]
 
     @property
+    def routable(self) -> list[Replica]:
+        """The live replicas new requests may go to (not draining)."""
+        return [r for r in self.replicas if r.dead is None and not r.draining]
+
+    @property
     def is_running(self) -> bool:
         return (self._started and not self._stopping and self.dead is None
                 and any(r.link.exit_cause() is None for r in self.live))
 
     @property
     def degraded(self) -> str | None:
-        down = [r.index for r in self.replicas if r.dead is not None]
+        kept = [r for r in self.replicas if not r.removed]
+        down = [r.index for r in kept if r.dead is not None]
         if not down:
             return None
         return (f"engine replica{'s' if len(down) > 1 else ''} {', '.join(map(str, down))} of "
-                f"{len(self.replicas)} down; {len(self.replicas) - len(down)} serving")
+                f"{len(kept)} down; {len(kept) - len(down)} serving")
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop every replica (in-flight requests end with ``ServerShuttingDown``)."""
@@ -199,16 +181,16 @@ class DPClient(EngineClient):
             raise TypeError(f"{type(msg).__name__} goes to one replica: use replica_utility")
 
     def _route(self, req: EngineCoreRequest) -> None:
-        live = self.live
+        live = self.routable
         if not live:
             raise EngineUnavailable("no engine replica is running")
         bs = self.config.cache.block_size
         ids = req.prompt_token_ids
-        hashes = (request_block_hashes(ids, bs, self._lora_keys.get(req.lora_id))
-                  if self.policy.uses_hashes else [])
+        key = self._loras[req.lora_id][1] if req.lora_id in self._loras else None
+        hashes = request_block_hashes(ids, bs, key) if self.policy.uses_hashes else []
         loads = [ReplicaLoad(r.index, len(r.requests), r.kv_usage) for r in live]
         choice = self.policy.choose(hashes, lookup_blocks(len(ids), bs), loads)
-        self._routes[req.request_id] = _Route(choice.replica, hashes, req)
+        self._routes[req.request_id] = Route(choice.replica, hashes, req)
         self.replicas[choice.replica].requests.add(req.request_id)
         self.policy.routed(choice.replica, hashes)
         self.replicas[choice.replica].link.send(req)
@@ -263,12 +245,20 @@ class DPClient(EngineClient):
     def _replica_died(self, i: int, cause: str) -> None:
         """Replica ``i`` leaves routing: its requests that streamed nothing yet go to a live
         replica, the others end with an error; its pending calls fail."""
-        r = self.replicas[i]
-        if r.dead is not None:
+        if self.replicas[i].dead is not None:
             return
+        moved, failed = self._leave(i, cause, EngineError(f"engine replica {i} died: {cause}"))
+        logger.error("engine replica %d died (%s): %d of its requests sent to another replica, "
+                     "%d that had streamed failed; %d replicas left", i, cause, moved, failed,
+                     len(self.live))
+        if not self.live:
+            self._on_dead(f"every engine replica died (the last: {cause})")
+
+    def _leave(self, i: int, cause: str, error: EngineError) -> tuple[int, int]:
+        """Replica ``i`` out of routing for good; (requests moved, requests failed)."""
+        r = self.replicas[i]
         r.dead = cause
         self.policy.remove(i)
-        error = EngineError(f"engine replica {i} died: {cause}")
         for call_id in [c for c, t in self._call_targets.items() if t == i]:
             del self._call_targets[call_id]
             fut = self._calls.get(call_id)
@@ -277,18 +267,14 @@ class DPClient(EngineClient):
         moved = failed = 0
         for rid in sorted(r.requests):
             route = self._routes.get(rid)
-            if route is not None and route.request is not None and self.live:
+            if route is not None and route.request is not None and self.routable:
                 self._retry(rid, route.request)
                 moved += 1
             else:
                 self._fail_request(rid, error)
                 failed += 1
         r.requests.clear()
-        logger.error("engine replica %d died (%s): %d of its requests sent to another replica, "
-                     "%d that had streamed failed; %d replicas left", i, cause, moved, failed,
-                     len(self.live))
-        if not self.live:
-            self._on_dead(f"every engine replica died (the last: {cause})")
+        return moved, failed
 
     def _retry(self, rid: str, req: EngineCoreRequest) -> None:
         """Send a request whose replica died, from scratch, to a live one."""
@@ -324,9 +310,9 @@ class DPClient(EngineClient):
         for r, g in zip(live, got):
             out[r.index] = g
         if name == "add_lora":  # (name, int id, path): its requests' blocks are keyed by the id
-            self._lora_keys[args[0]] = lora_extra_keys(LoRARequest(args[0], args[1], args[2]))
+            self._loras[args[0]] = (args, lora_extra_keys(LoRARequest(*args)))
         elif name == "remove_lora":
-            self._lora_keys.pop(args[0], None)
+            self._loras.pop(args[0], None)
         return out
 
     async def kv_stats(self) -> dict[str, Any]:
@@ -342,16 +328,64 @@ class DPClient(EngineClient):
         i = live[0].index if engine is None else engine
         snap: dict[str, Any] = await self.replica_utility(i, "kv_snapshot", show_text)
         snap["engine"] = i
-        snap["engines"] = [{"engine": r.index, "alive": r.dead is None,
-                            "num_running": r.stats.num_running, "num_waiting": r.stats.num_waiting,
-                            "used_blocks": r.stats.kv.used, "num_blocks": r.stats.kv.total,
-                            "routed": len(r.requests)} for r in self.replicas]
+        snap["engines"] = [engine_row(r.index, r.dead is None, r.stats, len(r.requests))
+                           for r in self.replicas if not r.removed]
         return snap
 
+    # -- scaling --------------------------------------------------------------------------------
+    def _link(self, i: int) -> CoreLink:
+        return make_link(self._engine_args, self._backend, replace(self._options, data_parallel_rank=i))
 
-def _make_link(engine_args: EngineArgs, backend: str, options: CoreOptions) -> CoreLink:
-    if backend == "ray":
-        from pagedllm.router.ray_link import RayLink
+    async def add_replica(self) -> int:
+        """Start one more replica, load the adapters served into it and put it in routing; its
+        index (indices are never reused). RuntimeError if it fails to start: nothing changed."""
+        self._check_running()
+        async with self._scaling:
+            r = Replica(len(self.replicas), self._link(len(self.replicas)))
+            r.dead, r.draining = "starting", True  # heard only once started, routed once ready
+            self.replicas.append(r)
+            try:
+                ready = await r.link.start(partial(self._from_replica, r.index))
+                r.stats, r.dead = ready.stats, None
+                for args, _ in list(self._loras.values()):
+                    await self.replica_utility(r.index, "add_lora", *args)
+            except BaseException as e:
+                r.dead, r.removed = f"failed to start: {e}", True
+                await r.link.stop(5)
+                raise RuntimeError(f"engine replica {r.index} failed to start: {e}") from e
+            r.draining = False
+            self._tasks.append(asyncio.ensure_future(self._watch(r)))
+            logger.info("engine replica %d added; %d serving", r.index, len(self.routable))
+            return r.index
 
-        return RayLink(engine_args, options)
-    return ProcessLink(engine_args, options, name=f"pagedllm-engine-core-{options.data_parallel_rank}")
+    async def scale(self, size: int, drain_timeout: float = 120.0) -> None:
+        """Add replicas, or drain and remove the newest ones, until ``size`` serve."""
+        if size < 1:
+            raise ValueError(f"new_data_parallel_size={size}: give 1 or more replicas")
+        while len(self.routable) < size:
+            await self.add_replica()
+        while len(self.routable) > size:
+            await self.remove_replica(self.routable[-1].index, drain_timeout)
+
+    async def remove_replica(self, i: int, drain_timeout: float = 120.0) -> None:
+        """Take replica ``i`` out of routing, let its requests finish (at most ``drain_timeout``
+        seconds; then those that streamed nothing go to another replica, the rest end with an
+        error) and stop it. ValueError for a replica that is not serving or the last one."""
+        async with self._scaling:
+            if not 0 <= i < len(self.replicas) or self.replicas[i] not in self.routable:
+                raise ValueError(f"engine replica {i} is not serving")
+            if len(self.routable) == 1:
+                raise ValueError("the last serving engine replica cannot be removed")
+            r = self.replicas[i]
+            r.draining = True
+            deadline = time.monotonic() + drain_timeout
+            while r.requests and r.dead is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            r.removed = True
+            moved, failed = self._leave(i, "removed", EngineError(
+                f"engine replica {i} was removed before the request finished"))
+            await r.link.stop(5)
+            self.stats = merge_stats([x.stats for x in self.live])
+            logger.info("engine replica %d removed (%d requests moved, %d failed); %d serving",
+                        i, moved, failed, len(self.routable))
+

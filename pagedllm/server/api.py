@@ -46,6 +46,7 @@ from pagedllm.server.routes import (
     inspector,
     lora,
     models,
+    scale,
     tokenize,
 )
 from pagedllm.server.routes.common import RouteOptions
@@ -127,6 +128,7 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
         app.include_router(inspector.page_router)
         app.include_router(inspector.router)
     app.include_router(tokenize.router)
+    app.include_router(scale.router)
     if allow_runtime_lora_updating:
         app.include_router(lora.router)
     return app

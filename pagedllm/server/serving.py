@@ -229,6 +229,7 @@ class ServerState:
         self.adapters = ServedAdapters(client, self.aliases)  # LoRA: model: <adapter>
         client.stats_listeners.append(self.metrics.on_step)
         self.async_engine = client
+        self.scaling = False  # a /scale_elastic_ep call is running
 
     # -- checks ------------------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:

@@ -1,6 +1,7 @@
 """``--data-parallel-backend ray`` on a local Ray cluster: two replicas as Ray actors give one
 engine's greedy outputs, their KV events steer cache_aware, ``kv_stats`` sums them, and an actor
-that dies leaves routing while the other serves on."""
+that dies leaves routing while the other serves on; an actor added while serving takes requests
+and one removed drains first."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 import time
 
 import pytest
-from dp_helpers import PROMPTS, engine_args, generate, greedy, reference
+from dp_helpers import PROMPTS, engine_args, generate, greedy, reference, tenant_workload
 
 from pagedllm.router.client import DPClient
 from pagedllm.router.policy import ReplicaLoad
@@ -19,6 +20,8 @@ from pagedllm.router.prefix_index import lookup_blocks, request_block_hashes
 def test_ray_replicas_match_one_engine_and_survive_a_dead_actor() -> None:
     ray = pytest.importorskip("ray")
     want = reference(PROMPTS, 12)
+    fresh = [{"prompt_token_ids": p} for p in tenant_workload(9, tenants=4, users=1)]
+    want_fresh = reference(fresh, 12)
     ray.init(num_cpus=2, include_dashboard=False)
 
     async def main() -> None:
@@ -48,6 +51,14 @@ def test_ray_replicas_match_one_engine_and_survive_a_dead_actor() -> None:
             again = await asyncio.gather(*(generate(dp, f"again{i}", p, greedy(12))
                                            for i, p in enumerate(PROMPTS[:3])))
             assert again == want[:3]
+            added = await dp.add_replica()  # a third actor, while one serves
+            assert added == 2 and [r.index for r in dp.routable] == [0, 2]
+            more = await asyncio.gather(*(generate(dp, f"more{i}", p, greedy(12))
+                                          for i, p in enumerate(fresh)))  # cached nowhere
+            assert more == want_fresh and dp.replicas[2].computed_prefill_tokens > 0
+            await dp.remove_replica(0)
+            assert [r.index for r in dp.routable] == [2]
+            assert await generate(dp, "last", PROMPTS[1], greedy(12)) == want[1]
         finally:
             await dp.shutdown()
 
