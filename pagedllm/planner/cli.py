@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.args import EngineArgs
+from pagedllm.router.policy import IMBALANCE_THRESHOLD, ROUTING_POLICIES
 
 PLAN_COLUMNS = (
     ("num_kv_blocks", "KV blocks"), ("output_tokens_per_s", "out tok/s"),
@@ -58,8 +59,13 @@ def register(subparsers: Any) -> None:
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for --compare (default: the profile's)")
     g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
-                   help="also predict N replicas (a round-robin split of the workload, cores/N "
-                   "threads each) beside one engine; see pagedllm.planner.dp")
+                   help="also predict N replicas (each request routed by --routing-policy as "
+                   "`serve -dp N` routes it, cores/N threads each) beside one engine; see "
+                   "pagedllm.planner.dp")
+    g.add_argument("--routing-policy", default="cache_aware", choices=ROUTING_POLICIES,
+                   help="with --data-parallel-size: the router's policy (serve's default)")
+    g.add_argument("--routing-imbalance-threshold", type=int, default=IMBALANCE_THRESHOLD,
+                   help="with --data-parallel-size and cache_aware: as serve's flag")
     g.add_argument("--output-json", type=Path, default=None, metavar="FILE")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=cmd_plan)
@@ -203,13 +209,15 @@ def _replay(a: argparse.Namespace, args: EngineArgs) -> int:
 
 
 def _replicas(a: argparse.Namespace, reqs: list[Any], cfg: Any, profile: Any) -> dict[str, Any]:
-    """``--data-parallel-size N``: N round-robin replicas beside one engine, printed."""
+    """``--data-parallel-size N``: N replicas behind ``--routing-policy`` beside one engine,
+    printed."""
     from pagedllm.bench.workload import poisson_arrivals
     from pagedllm.planner.dp import format_replicas, plan_replicas
 
     arrivals = (None if a.request_rate is None
                 else poisson_arrivals(len(reqs), a.request_rate, a.seed))
-    res = plan_replicas(reqs, cfg, profile, a.data_parallel_size, arrivals)
+    res = plan_replicas(reqs, cfg, profile, a.data_parallel_size, arrivals,
+                        policy=a.routing_policy, imbalance_threshold=a.routing_imbalance_threshold)
     for line in format_replicas(res):
         print(line)
     return res

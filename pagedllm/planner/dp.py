@@ -1,13 +1,16 @@
-"""``pagedllm plan --data-parallel-size N``: N engine replicas predicted by N replays.
+"""``pagedllm plan --data-parallel-size N [--routing-policy P]``: N engine replicas predicted by
+N replays behind the router's own policy.
 
 What is assumed (and so what the figure carries):
 
-- **The split is round-robin**: request i goes to replica i mod N, with its own arrival time
-  (the workload's, or its place in the whole workload's Poisson process). That is
-  ``--routing-policy round_robin``; ``cache_aware`` sends a tenant's requests together, which
-  changes each replica's prefix hits, not modelled here. Each replica's share is replayed
-  through the engine's own scheduler and KV manager with the same settings (each replica has
-  its own pool of the same size).
+- **Routing is the server's** (``router.policy``, the same classes ``pagedllm serve -dp N``
+  routes with): each request, at its arrival time, goes where the policy sends it, seeing each
+  replica's load (requests routed and not finished, KV use) and, for ``cache_aware``, the exact
+  blocks its replayed KV manager has published by then (its KV events, as the server's router
+  hears them) plus those of requests routed there and not finished. Each replica is replayed
+  through the engine's own scheduler and KV manager with the same settings (a pool of the same
+  size each), advanced step by step to each arrival. Without a profile every request arrives at
+  once (the clock counts steps), so routing sees only what is pending.
 - **Threads**: the server gives each replica ``cores // N`` threads (``cores``: the profile's
   machine). When the profile's threads ``T`` fit in that share, every replica runs at the
   profile's step costs on cores of its own (memory bandwidth shared between them is not
@@ -15,23 +18,32 @@ What is assumed (and so what the figure carries):
   profile's, as if a step's time were inverse to its threads: a pessimistic bound for a small
   model, which gains less than that from threads; calibrate with ``--threads cores/N`` for an
   exact profile.
+- The router's messages take no time: a replica's events are heard at the end of its step.
 - The aggregate throughput is all replicas' output tokens over the slowest replica's elapsed
   time; latencies are percentiles over every request.
 """
-
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.planner.replay import replay
+from pagedllm.planner.replay import Replayer, ReplayResult
+from pagedllm.router.policy import (
+    IMBALANCE_THRESHOLD,
+    ReplicaLoad,
+    RoutingPolicy,
+    make_policy,
+)
+from pagedllm.router.prefix_index import lookup_blocks, request_block_hashes
 
 if TYPE_CHECKING:
     from pagedllm.bench.workload import BenchRequest
     from pagedllm.config import EngineConfig
     from pagedllm.planner.cost import Features, StepCostModel
     from pagedllm.planner.profile import Profile
+    from pagedllm.sched.stats import StepStats
 
 
 @dataclass(frozen=True)
@@ -54,17 +66,57 @@ def thread_share(profile: Profile | None, n: int, cores: int | None = None) -> d
             "step_cost_factor": max(1.0, t / per)}
 
 
-def _replay_one(reqs: list[BenchRequest], arrivals: list[float], cfg: EngineConfig,
-                cost: Any) -> dict[str, Any]:
-    computed = [0]
+def _part(res: ReplayResult, computed: int, routed: list[int]) -> dict[str, Any]:
+    return {"elapsed_s": res.elapsed, "output_tokens": sum(res.num_output[i] for i in routed),
+            "ttft": [res.ttft[i] for i in routed], "tpot": _tpot(res, routed),
+            "computed_prefill_tokens": computed, "num_steps": res.num_steps,
+            "num_requests": len(routed)}
 
-    def count(rec: Any, _: float) -> None:
-        computed[0] += rec.num_prefill_tokens
 
-    res = replay(reqs, cfg, cost, arrivals, on_step=count)
-    return {"elapsed_s": res.elapsed, "output_tokens": res.output_tokens, "ttft": res.ttft,
-            "tpot": res.tpot, "computed_prefill_tokens": computed[0], "num_steps": res.num_steps,
-            "num_requests": len(reqs)}
+def _tpot(res: ReplayResult, routed: list[int]) -> list[float]:
+    return [(res.finished[i] - res.first_token[i]) / (res.num_output[i] - 1) for i in routed
+            if res.num_output[i] > 1]
+
+
+def _replay_routed(reqs: list[BenchRequest], arrivals: list[float], cfg: EngineConfig,
+                   cost: Any, n: int, policy: RoutingPolicy) -> list[dict[str, Any]]:
+    """``n`` replays behind ``policy``: each request routed at its arrival (module docstring)."""
+    reps = [Replayer(reqs, cfg, cost, arrivals) for _ in range(n)]
+    computed = [0] * n
+    routed: list[list[int]] = [[] for _ in range(n)]
+    running: list[dict[int, list[str]]] = [{} for _ in range(n)]  # routed, not finished: hashes
+    for k, r in enumerate(reps):
+        r.on_step = partial(_count, computed, k)
+        if policy.uses_hashes:
+            r.sched.kv.events.subscribe_batches(partial(policy.on_kv_events, k))
+
+    def step(k: int) -> None:
+        reps[k].step()
+        for i in reps[k].finished:
+            policy.finished(k, running[k].pop(i))
+
+    bs = cfg.cache.block_size
+    for i in sorted(range(len(reqs)), key=lambda i: reps[0].arrivals[i]):
+        t = reps[0].arrivals[i]
+        for k, r in enumerate(reps):
+            while r.busy and r.clock <= t:
+                step(k)
+        ids = reqs[i].prompt_token_ids
+        hashes = request_block_hashes(ids, bs) if policy.uses_hashes else []
+        loads = [ReplicaLoad(k, len(running[k]), r.sched.kv.usage) for k, r in enumerate(reps)]
+        k = policy.choose(hashes, lookup_blocks(len(ids), bs), loads).replica
+        reps[k].admit(i)
+        running[k][i] = hashes
+        routed[k].append(i)
+        policy.routed(k, hashes)
+    for k, r in enumerate(reps):
+        while r.busy:
+            step(k)
+    return [_part(r.close(), computed[k], routed[k]) for k, r in enumerate(reps) if routed[k]]
+
+
+def _count(computed: list[int], k: int, rec: StepStats, _: float) -> None:
+    computed[k] += rec.num_prefill_tokens
 
 
 def _aggregate(parts: list[dict[str, Any]], timed: bool) -> dict[str, Any]:
@@ -86,20 +138,23 @@ def _aggregate(parts: list[dict[str, Any]], timed: bool) -> dict[str, Any]:
 
 
 def plan_replicas(reqs: list[BenchRequest], cfg: EngineConfig, profile: Profile | None, n: int,
-                  arrivals: list[float] | None = None, cores: int | None = None) -> dict[str, Any]:
-    """One engine and ``n`` round-robin replicas on ``reqs``: each one's prediction, and the
-    ratio of their throughputs (with a ``profile``; without one, scheduling only)."""
+                  arrivals: list[float] | None = None, cores: int | None = None,
+                  policy: str = "round_robin",
+                  imbalance_threshold: int = IMBALANCE_THRESHOLD) -> dict[str, Any]:
+    """One engine and ``n`` replicas behind the router's ``policy`` on ``reqs``: each one's
+    prediction, and the ratio of their throughputs (with a ``profile``; without one, scheduling
+    only)."""
     if n < 1:
         raise ValueError(f"--data-parallel-size {n} must be >= 1")
+    router = make_policy(policy, imbalance_threshold)
     arrivals = arrivals if arrivals is not None else [r.arrival_time or 0.0 for r in reqs]
     share = thread_share(profile, n, cores)
     cost = profile.model if profile else None
-    one = _aggregate([_replay_one(reqs, arrivals, cfg, cost)], cost is not None)
+    one = _aggregate(_replay_routed(reqs, arrivals, cfg, cost, 1, make_policy("round_robin")),
+                     cost is not None)
     slowed = SlowedCost(cost, share["step_cost_factor"]) if cost is not None else None
-    parts = [_replay_one(reqs[i::n], arrivals[i::n], cfg, slowed) for i in range(n)
-             if reqs[i::n]]
-    many = _aggregate(parts, cost is not None)
-    out = {"data_parallel_size": n, "split": "round_robin", **share, "one_engine": one,
+    many = _aggregate(_replay_routed(reqs, arrivals, cfg, slowed, n, router), cost is not None)
+    out = {"data_parallel_size": n, "split": policy, **share, "one_engine": one,
            "replicas": many}
     if cost is not None:
         base = one["output_tokens_per_s"]
@@ -109,7 +164,7 @@ def plan_replicas(reqs: list[BenchRequest], cfg: EngineConfig, profile: Profile 
 
 def format_replicas(p: dict[str, Any]) -> list[str]:
     n, one, many = p["data_parallel_size"], p["one_engine"], p["replicas"]
-    lines = [f"data parallel    {n} replicas, round-robin split {many['num_requests']} requests, "
+    lines = [f"data parallel    {n} replicas, {p['split']} split {many['num_requests']} requests, "
              f"threads each {p['threads_per_replica']} ({p['cores']} cores; profile at "
              f"threads {p['profile_threads']}: step cost x {p['step_cost_factor']:.2f})",
              f"computed prefill one engine {one['computed_prefill_tokens']} tokens, {n} replicas "

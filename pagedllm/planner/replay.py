@@ -125,6 +125,81 @@ class ReplayResult:
         }
 
 
+class Replayer:
+    """One engine's replay, advanced by the caller: ``admit`` a request of ``reqs`` at its
+    arrival, ``step`` once (the engine's step with the model taken out: module docstring),
+    ``close`` for the result. ``replay`` drives one; ``planner.dp`` drives N behind a router."""
+
+    def __init__(self, reqs: list[BenchRequest], config: EngineConfig,
+                 cost: StepCostModel | None = None, arrivals: list[float] | None = None,
+                 scheduler_cls: type[Scheduler] = Scheduler, plan: KVPoolPlan | None = None,
+                 on_step: Callable[[StepStats, float], None] | None = None) -> None:
+        plan = plan or plan_kv_pool(config.model, config.cache, config.scheduler)
+        self.sched = build_scheduler(config, plan, scheduler_cls)
+        n = len(reqs)
+        if arrivals is None:
+            arrivals = [r.arrival_time or 0.0 for r in reqs]
+        if len(arrivals) != n:
+            raise ValueError(f"got {len(arrivals)} arrival times for {n} requests")
+        self.reqs, self.cost, self.on_step = reqs, cost, on_step
+        self.arrivals = arrivals if cost is not None else [0.0] * n
+        self.max_len = config.scheduler.max_model_len
+        self.index: dict[str, int] = {}  # request id -> workload position, while it runs
+        self.finished: list[int] = []  # workload positions finished by the last step
+        self.res = ReplayResult(cost is not None, 0, 0, {}, 0, 0.0, plan.num_blocks,
+                                plan.block_size, sum(r.prompt_len for r in reqs), 0, 0.0,
+                                list(self.arrivals), [math.nan] * n, [math.nan] * n, [0] * n)
+        self.clock, self.steps = 0.0, 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.sched.requests)
+
+    def admit(self, i: int) -> None:
+        """Request ``i`` arrives (the clock moves to its arrival if the engine sat idle)."""
+        r = self.reqs[i]
+        if not self.busy:
+            self.clock = max(self.clock, self.arrivals[i])
+        rid = f"r{i}"
+        self.sched.add_request(Request(  # check_fits: a prompt the engine refuses fails here too
+            rid, list(r.prompt_token_ids), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
+            max_model_len=self.max_len, arrival_time=self.arrivals[i]))
+        self.index[rid] = i
+
+    def step(self) -> None:
+        sched, res = self.sched, self.res
+        out = sched.schedule()
+        self.steps += 1
+        if out.is_empty:
+            raise RuntimeError(
+                f"the scheduler made no progress at step {self.steps} with "
+                f"{len(sched.requests)} requests queued: the KV pool ({sched.kv.num_blocks} "
+                f"blocks) cannot hold them; raise --kv-cache-memory / --num-kv-blocks")
+        rec = StepStats.open(sched, out)
+        self.clock += self.cost.predict(step_features(rec)) if self.cost is not None else 1.0
+        sampled = {s.request.request_id: -1 - self.index[s.request.request_id]
+                   for s in out.scheduled if s.samples}
+        finished = sched.update(out, sampled)
+        sched.end_step()  # memory upkeep (its KV moves cost no modelled time)
+        for rid in sampled:
+            i = self.index[rid]
+            if res.first_token[i] != res.first_token[i]:  # NaN: the request's first token
+                res.first_token[i] = self.clock
+        self.finished = []
+        for req in finished:
+            i = self.index.pop(req.request_id)
+            res.finished[i] = self.clock
+            res.num_output[i] = req.num_output_tokens
+            self.finished.append(i)
+        res.add_step(rec, self.clock)
+        if self.on_step is not None:
+            self.on_step(rec, self.clock)
+
+    def close(self) -> ReplayResult:
+        self.res.close(self.sched, self.steps, self.clock)
+        return self.res
+
+
 def replay(
     reqs: list[BenchRequest],
     config: EngineConfig,
@@ -138,66 +213,15 @@ def replay(
     start, one per request) default to each request's ``arrival_time``, else 0; they are ignored
     without a ``cost`` model (the clock then counts steps). ``on_step(record, clock)`` sees every
     step's record and its end time."""
-    plan = plan or plan_kv_pool(config.model, config.cache, config.scheduler)
-    sched = build_scheduler(config, plan, scheduler_cls)
-    kv = sched.kv
-    n = len(reqs)
-    if arrivals is None:
-        arrivals = [r.arrival_time or 0.0 for r in reqs]
-    if len(arrivals) != n:
-        raise ValueError(f"got {len(arrivals)} arrival times for {n} requests")
-    if cost is None:
-        arrivals = [0.0] * n
-    order = sorted(range(n), key=lambda i: arrivals[i])
-    max_len = config.scheduler.max_model_len
-    index: dict[str, int] = {}
-    first = [math.nan] * n
-    done = [math.nan] * n
-    num_out = [0] * n
-    res = ReplayResult(cost is not None, 0, 0, {}, 0, 0.0, plan.num_blocks, plan.block_size,
-                       sum(r.prompt_len for r in reqs), 0, 0.0, list(arrivals), first, done,
-                       num_out)
-    clock, nxt, steps = 0.0, 0, 0
-    while nxt < n or sched.requests:
-        while nxt < n and arrivals[order[nxt]] <= clock:
-            i = order[nxt]
-            r = reqs[i]
-            rid = f"r{i}"
-            req = Request(rid, list(r.prompt_token_ids),
-                          SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
-                          max_model_len=max_len, arrival_time=arrivals[i])
-            sched.add_request(req)  # check_fits: a prompt the engine refuses fails here too
-            index[rid] = i
+    r = Replayer(reqs, config, cost, arrivals, scheduler_cls, plan, on_step)
+    order = sorted(range(len(reqs)), key=lambda i: r.arrivals[i])
+    nxt = 0
+    while nxt < len(order) or r.busy:
+        while nxt < len(order) and (r.arrivals[order[nxt]] <= r.clock or not r.busy):
+            r.admit(order[nxt])
             nxt += 1
-        if not sched.requests:
-            clock = arrivals[order[nxt]]  # idle until the next arrival
-            continue
-        out = sched.schedule()
-        steps += 1
-        if out.is_empty:
-            raise RuntimeError(
-                f"the scheduler made no progress at step {steps} with "
-                f"{len(sched.requests)} requests queued: the KV pool ({kv.num_blocks} blocks) "
-                f"cannot hold them; raise --kv-cache-memory / --num-kv-blocks")
-        rec = StepStats.open(sched, out)
-        clock += cost.predict(step_features(rec)) if cost is not None else 1.0
-        sampled = {s.request.request_id: -1 - index[s.request.request_id]
-                   for s in out.scheduled if s.samples}
-        finished = sched.update(out, sampled)
-        sched.end_step()  # memory upkeep (its KV moves cost no modelled time)
-        for rid in sampled:
-            i = index[rid]
-            if first[i] != first[i]:  # NaN: the request's first token
-                first[i] = clock
-        for req in finished:
-            i = index.pop(req.request_id)
-            done[i] = clock
-            num_out[i] = req.num_output_tokens
-        res.add_step(rec, clock)
-        if on_step is not None:
-            on_step(rec, clock)
-    res.close(sched, steps, clock)
-    return res
+        r.step()
+    return r.close()
 
 
 def summarize(res: ReplayResult) -> dict[str, Any]:

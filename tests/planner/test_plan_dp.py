@@ -1,4 +1,5 @@
-"""``pagedllm plan --data-parallel-size N``: N round-robin replicas replayed beside one engine."""
+"""``pagedllm plan --data-parallel-size N``: N replicas replayed behind the router's own policy,
+beside one engine."""
 
 from __future__ import annotations
 
@@ -57,6 +58,37 @@ def test_round_robin_replicas_compute_a_shared_prefix_on_each() -> None:
         plan_replicas(reqs, _config(), None, 0)
 
 
+def _tenants() -> list[BenchRequest]:
+    """4 tenants x 3 users, in tenant order: an 8-token system prompt (2 blocks) each, then 4
+    tokens of the user's own."""
+    return [BenchRequest(list(range(100 + 10 * t, 108 + 10 * t))
+                         + [500 + 16 * t + 4 * u + j for j in range(4)], 2)
+            for t in range(4) for u in range(3)]
+
+
+@pytest.mark.parametrize("spaced", [False, True])
+def test_cache_aware_computes_each_system_prompt_once(spaced: bool) -> None:
+    """Round robin splits each tenant over both replicas (each computes its system prompt:
+    4 x 2 x 8 + 12 x 4 = 112 tokens); cache_aware keeps a tenant on one replica and computes
+    what one engine computes (4 x 8 + 12 x 4 = 80). All at once (no profile) the router sees
+    only the requests pending; spaced 10 s apart (each finished before the next) only the
+    replayed KV managers' events: the same answer either way."""
+    reqs = _tenants()
+    kw = dict(profile=_profile(1, 2), arrivals=[10.0 * i for i in range(12)]) if spaced else {}
+    kw = {"profile": None, **kw}
+    got = {pol: plan_replicas(reqs, _config(), n=2, policy=pol, **kw)  # type: ignore[arg-type]
+           for pol in ("round_robin", "least_load", "cache_aware")}
+    assert {p: g["replicas"]["computed_prefill_tokens"] for p, g in got.items()} == {
+        "round_robin": 112, "least_load": 112, "cache_aware": 80}
+    assert got["cache_aware"]["one_engine"]["computed_prefill_tokens"] == 80
+    assert got["cache_aware"]["split"] == "cache_aware"
+    assert got["cache_aware"]["replicas"]["num_requests"] == [6, 6]
+    one = plan_replicas(reqs, _config(), n=1, policy="cache_aware", **kw)  # type: ignore[arg-type]
+    assert one["replicas"] == one["one_engine"]  # one replica is one engine, whatever routes
+    with pytest.raises(ValueError, match="--routing-policy 'nope'"):
+        plan_replicas(reqs, _config(), None, 2, policy="nope")
+
+
 def test_plan_cli_prints_both_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A cost per token: two replicas on cores of their own share the tokens, so the
     aggregate is faster than one engine (which batches them all in the same steps)."""
@@ -67,10 +99,10 @@ def test_plan_cli_prints_both_and_writes_json(tmp_path: Path, capsys: pytest.Cap
             "8", "--output-len", "8", "--profile", str(prof), "--data-parallel-size", "2"]
     assert main([*argv, "--output-json", str(out_json)]) == 0
     out = capsys.readouterr().out
-    assert "data parallel    2 replicas, round-robin split [6, 6] requests" in out
+    assert "data parallel    2 replicas, cache_aware split [6, 6] requests" in out
     assert "out tok/s, 2 replicas" in out
     dp = json.loads(out_json.read_text())["data_parallel"]
     assert dp["replicas"]["output_tokens_per_s"] > dp["one_engine"]["output_tokens_per_s"] > 0
-    assert dp["replicas"]["computed_prefill_tokens"] >= dp["one_engine"]["computed_prefill_tokens"]
+    assert dp["split"] == "cache_aware" and dp["replicas"]["computed_prefill_tokens"] > 0
     assert main([*argv, "--sweep", "block_size=8,16"]) == 2
     assert "--data-parallel-size goes with one setting" in capsys.readouterr().err
