@@ -1,6 +1,7 @@
-"""guidellm, unchanged, against ``pagedllm serve`` (issue 33): its streaming benchmark on the
-shipped model completes every request, none errored or incomplete, with TTFT, ITL and output
-token counts in its JSON report.
+"""guidellm, unchanged, against ``pagedllm serve`` (issue 33): its streaming sweep (synchronous,
+then throughput, then a constant rate between them) on the shipped model completes every
+request of every benchmark, none errored or incomplete, with TTFT, ITL and output token counts
+in its JSON report.
 
 guidellm pulls its own torch, transformers and datasets, so it lives in a venv of its own:
 ``PAGEDLLM_GUIDELLM`` names its ``guidellm`` executable (``.ci/run`` makes one: ``pip install
@@ -14,6 +15,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from serve_process import serve_process
@@ -21,7 +23,7 @@ from serve_process import serve_process
 import pagedllm
 
 MODEL = Path(pagedllm.__file__).parent / "assets" / "default_model"
-NUM_REQUESTS = 24
+NUM_REQUESTS = 16
 PROMPT_TOKENS, OUTPUT_TOKENS = 64, 32
 
 
@@ -33,7 +35,7 @@ def _guidellm() -> str:
     return exe
 
 
-@pytest.mark.slow  # a server, and guidellm's own start-up (~10 s)
+@pytest.mark.slow  # a server, and guidellm's three benchmarks (~30 s)
 def test_guidellm_streaming_benchmark_every_request_succeeds(tmp_path: Path) -> None:
     exe = _guidellm()
     report = tmp_path / "guidellm.json"
@@ -41,7 +43,7 @@ def test_guidellm_streaming_benchmark_every_request_succeeds(tmp_path: Path) -> 
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         run = subprocess.run(
             [exe, "run", "--backend", f"kind=openai_http,target={base}",
-             "--profile", "kind=concurrent,streams=4",
+             "--profile", "kind=sweep,sweep_size=3",
              "--constraint", f"kind=max_requests,count={NUM_REQUESTS}",
              "--data", f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},"
                        f"output_tokens={OUTPUT_TOKENS}",
@@ -49,8 +51,13 @@ def test_guidellm_streaming_benchmark_every_request_succeeds(tmp_path: Path) -> 
              "--output", f"kind=json,path={report}", "--disable-console-interactive"],
             env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    bench = json.loads(report.read_text())["benchmarks"][0]
-    m = bench["metrics"]
+    benchmarks = json.loads(report.read_text())["benchmarks"]
+    assert len(benchmarks) == 3
+    for bench in benchmarks:
+        _check(bench["metrics"])
+
+
+def _check(m: dict[str, Any]) -> None:
     assert m["request_totals"] == {"successful": NUM_REQUESTS, "errored": 0, "incomplete": 0,
                                    "total": NUM_REQUESTS}, m["request_totals"]
     ttft = m["time_to_first_token_ms"]["successful"]
