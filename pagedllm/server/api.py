@@ -46,6 +46,7 @@ from pagedllm.server.routes import (
     inspector,
     lora,
     models,
+    responses,
     scale,
     tokenize,
 )
@@ -122,7 +123,7 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | list[str] |
     app.include_router(health.router)
     if not disable_docs:
         app.include_router(docs.router)
-    for module in (models, completions, chat):
+    for module in (models, completions, chat, responses):
         app.include_router(module.router)
     if kv_inspector:
         app.include_router(inspector.page_router)

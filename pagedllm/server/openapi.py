@@ -17,6 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
+from pagedllm.server.openai_responses import ResponsesRequest
 from pagedllm.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -36,7 +37,7 @@ from pagedllm.server.protocol import (
 
 _MODELS: list[tuple[type[BaseModel], JsonSchemaMode]] = [
     *((m, "validation") for m in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                                  DetokenizeRequest)),
+                                  DetokenizeRequest, ResponsesRequest)),
     *((m, "serialization") for m in (CompletionResponse, ChatCompletionResponse, ChatCompletionChunk,
                                      TokenizeResponse, DetokenizeResponse, ModelCard, ModelList, ErrorResponse,
                                      HealthResponse, VersionResponse)),

@@ -3,10 +3,13 @@ calling (``server.tools``) and structured outputs, streamed or whole."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from pagedllm.chat import BOTH_PROMPTS, check_chat_template_kwargs
+from pagedllm.engine.client import OutputStream
 from pagedllm.server.fields import check_extras, structured_outputs
 from pagedllm.server.openapi import GENERATE, answers, request_body
 from pagedllm.server.prompts import Budget, chat_prompt
@@ -28,13 +31,15 @@ from pagedllm.server.responses import (
 from pagedllm.server.routes.common import (
     AUTH,
     Options,
+    RouteOptions,
     State,
     log_request,
     no_streamed_prompt_logprobs,
     request_ids,
 )
-from pagedllm.server.serving import APIError, ClientGone, read_json, validate_body
+from pagedllm.server.serving import APIError, ClientGone, ServerState, read_json, validate_body
 from pagedllm.server.tools import (
+    ToolPlan,
     messages_for_template,
     parse_tool_calls,
     tool_finish_reason,
@@ -44,11 +49,21 @@ from pagedllm.server.tools import (
 router = APIRouter(prefix="/v1", dependencies=AUTH)
 
 
-@router.post("/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
-             responses=answers(ChatCompletionResponse, *GENERATE, stream=ChatCompletionChunk))
-async def chat_completions(request: Request, srv: State, options: Options) -> Response:
-    body = await read_json(request, srv.limits.max_request_bytes)
-    req = validate_body(ChatCompletionRequest, body)
+class ChatRun(NamedTuple):
+    """A chat request queued in the engine: its response id, its stream and engine ids, the
+    tool plan, the model name to answer with and the logprobs asked (None: none)."""
+
+    rid: str
+    stream: OutputStream
+    ids: list[str]
+    plan: ToolPlan | None
+    model: str
+    k: int | None
+
+
+async def start_chat(srv: ServerState, options: RouteOptions, req: ChatCompletionRequest,
+                     prefix: str, endpoint: str) -> ChatRun:
+    """Check ``req`` (400s name its fields), render its prompt and queue it."""
     srv.check_model(req.model)
     check_extras(req)
     if req.top_logprobs is not None and not req.logprobs:
@@ -82,10 +97,20 @@ async def chat_completions(request: Request, srv: State, options: Options) -> Re
                          tools=plan.tools if plan is not None else None,
                          chat_template=options.chat_template,
                          chat_template_kwargs=req.chat_template_kwargs)
-    rid, base = request_ids(req, "chatcmpl")
+    rid, base = request_ids(req, prefix)
     stream, ids = await srv.submit(base, [prompt], params, req, "messages")
-    log_request(options, rid, "/v1/chat/completions", params)
+    log_request(options, rid, endpoint, params)
     model = srv.adapters.lora_of(req.model) or srv.model_name  # a LoRA adapter's name, as vLLM
+    return ChatRun(rid, stream, ids, plan, model, k)
+
+
+@router.post("/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
+             responses=answers(ChatCompletionResponse, *GENERATE, stream=ChatCompletionChunk))
+async def chat_completions(request: Request, srv: State, options: Options) -> Response:
+    body = await read_json(request, srv.limits.max_request_bytes)
+    req = validate_body(ChatCompletionRequest, body)
+    rid, stream, ids, plan, model, k = await start_chat(srv, options, req, "chatcmpl",
+                                                        "/v1/chat/completions")
     if req.stream:
         so_opts = req.stream_options
         chunks = ChatChunks(srv, rid, req.n, k, plan, req.return_tokens_as_token_ids, model)
