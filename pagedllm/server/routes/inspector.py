@@ -15,7 +15,7 @@ from pagedllm.server.responses import SSE_HEADERS
 from pagedllm.server.routes.common import AUTH
 
 
-def kv_inspector(request: Request) -> KVInspector:
+async def kv_inspector(request: Request) -> KVInspector:
     inspector: KVInspector = request.app.state.kv_inspector
     return inspector
 
