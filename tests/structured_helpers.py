@@ -50,6 +50,16 @@ TOOLS = [
             "required": ["a", "b"]}}},
 ]
 
+TOOLS_TEMPLATE = (  # a chat template that renders tools and tool calls (hermes)
+    "{% if greeting %}{{ greeting }}\n{% endif %}{% if tools %}<|system|>\nTools:{% for t in tools %} {{ t.function.name }}"
+    "{{ t.function.parameters | tojson }}{% endfor %}<|eos|>\n{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
+    "</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|eos|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+TOOL_MESSAGES = [{"role": "user", "content": "What is the weather in Oslo, and what is 2 + 3?"}]
+TOOL_PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
 
 def check_json(text: str, schema: dict[str, Any] = SCHEMA) -> Any:
     """The parsed value; fails the test if the text is not JSON valid against ``schema``."""

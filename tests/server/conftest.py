@@ -34,3 +34,20 @@ def server(chat_model: Path) -> Iterator[ServerThread]:
     app = build_app(engine, model_name="tiny", api_key=API_KEY, limits=limits)
     with ServerThread(app) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def tools_server(bpe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    """A BPE model whose chat template renders tools and tool calls, the hermes parser, served
+    as ``m``; the template comes as a file, as ``pagedllm serve --chat-template FILE`` passes it."""
+    from structured_helpers import TOOLS_TEMPLATE
+
+    from pagedllm.engine import LLMEngine
+    from pagedllm.server.api import build_app
+
+    template = tmp_path_factory.mktemp("template") / "tools.jinja"
+    template.write_text(TOOLS_TEMPLATE)
+    engine = LLMEngine.from_args(model=str(bpe_model), num_kv_blocks=512, max_num_seqs=16)
+    with ServerThread(build_app(engine, model_name="m", api_key=API_KEY,
+                                tool_call_parser="hermes", chat_template=str(template))) as s:
+        yield s

@@ -7,8 +7,6 @@ the packages are the ``clients`` extra, which CI installs for it."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -16,23 +14,16 @@ import openai
 import pytest
 from server_helpers import API_KEY, ServerThread
 from structured_helpers import SMALL_SCHEMA, TOOLS
-from test_tools_server import MESSAGES, PARAMS, TEMPLATE
+from structured_helpers import TOOL_MESSAGES as MESSAGES
+from structured_helpers import TOOL_PARAMS as PARAMS
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def server(bpe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    from pagedllm.engine import LLMEngine
-    from pagedllm.server.api import build_app
-
-    template = tmp_path_factory.mktemp("template") / "tools.jinja"
-    template.write_text(TEMPLATE)
-    engine = LLMEngine.from_args(model=str(bpe_model), num_kv_blocks=512, max_num_seqs=16)
-    with ServerThread(build_app(engine, model_name="m", api_key=API_KEY,
-                                tool_call_parser="hermes", chat_template=str(template))) as s:
-        yield s
+def server(tools_server: ServerThread) -> ServerThread:
+    return tools_server
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,6 @@ naming the Responses field."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,24 +15,16 @@ import jsonschema
 import openai
 import pytest
 from server_helpers import API_KEY, ServerThread
+from structured_helpers import TOOL_PARAMS as PARAMS
 from structured_helpers import TOOLS
-from test_tools_server import PARAMS, TEMPLATE
 
 QUESTION = "What is the weather in Oslo, and what is 2 + 3?"
 FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses shape
 
 
 @pytest.fixture(scope="module")
-def server(bpe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    from pagedllm.engine import LLMEngine
-    from pagedllm.server.api import build_app
-
-    template = tmp_path_factory.mktemp("template") / "tools.jinja"
-    template.write_text(TEMPLATE)
-    engine = LLMEngine.from_args(model=str(bpe_model), num_kv_blocks=512, max_num_seqs=16)
-    with ServerThread(build_app(engine, model_name="m", api_key=API_KEY,
-                                tool_call_parser="hermes", chat_template=str(template))) as s:
-        yield s
+def server(tools_server: ServerThread) -> ServerThread:
+    return tools_server
 
 
 @pytest.fixture(scope="module")

@@ -7,39 +7,20 @@ assistant ``tool_calls`` and ``tool`` messages, and bad choices are 400s."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
 from server_helpers import API_KEY, ServerThread
+from structured_helpers import TOOL_MESSAGES as MESSAGES
+from structured_helpers import TOOL_PARAMS as PARAMS
 from structured_helpers import TOOLS
-
-TEMPLATE = (
-    "{% if greeting %}{{ greeting }}\n{% endif %}{% if tools %}<|system|>\nTools:{% for t in tools %} {{ t.function.name }}"
-    "{{ t.function.parameters | tojson }}{% endfor %}<|eos|>\n{% endif %}"
-    "{% for m in messages %}<|{{ m.role }}|>\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
-    "<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
-    "</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|eos|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-MESSAGES = [{"role": "user", "content": "What is the weather in Oslo, and what is 2 + 3?"}]
-PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 @pytest.fixture(scope="module")
-def server(bpe_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    """The template comes as a file, as ``pagedllm serve --chat-template FILE`` passes it."""
-    from pagedllm.engine import LLMEngine
-    from pagedllm.server.api import build_app
-
-    template = tmp_path_factory.mktemp("template") / "tools.jinja"
-    template.write_text(TEMPLATE)
-    engine = LLMEngine.from_args(model=str(bpe_model), num_kv_blocks=512, max_num_seqs=16)
-    with ServerThread(build_app(engine, model_name="m", api_key=API_KEY,
-                                tool_call_parser="hermes", chat_template=str(template))) as s:
-        yield s
+def server(tools_server: ServerThread) -> ServerThread:
+    return tools_server
 
 
 def _client(s: ServerThread) -> openai.OpenAI:
