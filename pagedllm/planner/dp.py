@@ -90,8 +90,8 @@ def _replay_routed(reqs: list[BenchRequest], arrivals: list[float], cfg: EngineC
         if policy.uses_hashes:
             r.sched.kv.events.subscribe_batches(partial(policy.on_kv_events, k))
 
-    def step(k: int) -> None:
-        reps[k].step()
+    def advance(k: int) -> None:
+        reps[k].advance()
         for i in reps[k].finished:
             policy.finished(k, running[k].pop(i))
 
@@ -100,7 +100,7 @@ def _replay_routed(reqs: list[BenchRequest], arrivals: list[float], cfg: EngineC
         t = reps[0].arrivals[i]
         for k, r in enumerate(reps):
             while r.busy and r.clock <= t:
-                step(k)
+                advance(k)
         ids = reqs[i].prompt_token_ids
         hashes = request_block_hashes(ids, bs) if policy.uses_hashes else []
         loads = [ReplicaLoad(k, len(running[k]), r.sched.kv.usage) for k, r in enumerate(reps)]
@@ -111,7 +111,7 @@ def _replay_routed(reqs: list[BenchRequest], arrivals: list[float], cfg: EngineC
         policy.routed(k, hashes)
     for k, r in enumerate(reps):
         while r.busy:
-            step(k)
+            advance(k)
     return [_part(r.close(), computed[k], routed[k]) for k, r in enumerate(reps) if routed[k]]
 
 

@@ -127,7 +127,7 @@ class ReplayResult:
 
 class Replayer:
     """One engine's replay, advanced by the caller: ``admit`` a request of ``reqs`` at its
-    arrival, ``step`` once (the engine's step with the model taken out: module docstring),
+    arrival, ``advance`` one step (the engine's step with the model taken out: module docstring),
     ``close`` for the result. ``replay`` drives one; ``planner.dp`` drives N behind a router."""
 
     def __init__(self, reqs: list[BenchRequest], config: EngineConfig,
@@ -166,7 +166,8 @@ class Replayer:
             max_model_len=self.max_len, arrival_time=self.arrivals[i]))
         self.index[rid] = i
 
-    def step(self) -> None:
+    def advance(self) -> None:
+        """One scheduler step and its modelled time (not the engine's ``step``: no model)."""
         sched, res = self.sched, self.res
         out = sched.schedule()
         self.steps += 1
@@ -220,7 +221,7 @@ def replay(
         while nxt < len(order) and (r.arrivals[order[nxt]] <= r.clock or not r.busy):
             r.admit(order[nxt])
             nxt += 1
-        r.step()
+        r.advance()
     return r.close()
 
 
