@@ -143,6 +143,33 @@ class KVCache:
                 data = data.to(self.device, non_blocking=host_plane.is_pinned())
                 raw(plane).index_copy_(2, dev_i, data)
 
+    def export_blocks(self, blocks: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Each block's planes as a CPU payload {"p0": ..., "p1": ...} for the KV tier: data and
+        (quantized) scales together, each ``[n, L, block_size, *row]``. One gather per plane."""
+        if not blocks:
+            return []
+        idx = to_device(blocks, torch.long, self.device)
+        planes = [raw(p).index_select(2, idx).to("cpu") for p in self.planes]
+        return [{f"p{j}": pl[:, :, i].clone() for j, pl in enumerate(planes)}
+                for i in range(len(blocks))]
+
+    def payload_fits(self, payload: dict[str, torch.Tensor]) -> bool:
+        """Whether ``payload`` has this cache's planes, shapes and dtypes (else: recompute)."""
+        if set(payload) != {f"p{j}" for j in range(len(self.planes))}:
+            return False
+        return all(payload[f"p{j}"].shape == p.shape[:2] + p.shape[3:]
+                   and payload[f"p{j}"].dtype == raw(p).dtype for j, p in enumerate(self.planes))
+
+    def import_blocks(self, pairs: list[tuple[dict[str, torch.Tensor], int]]) -> None:
+        """Write each (payload, device block); payloads must ``payload_fits``. One scatter per
+        plane."""
+        if pairs:
+            payloads, dst = zip(*pairs)
+            dst_i = to_device(dst, torch.long, self.device)
+            for j, plane in enumerate(map(raw, self.planes)):
+                data = torch.stack([q[f"p{j}"] for q in payloads], dim=2).to(self.device)
+                plane.index_copy_(2, dst_i, data)
+
     def resize(self, num_blocks: int) -> None:
         """Grow (new blocks zeroed) or shrink (drop the tail) the device pool; rebinds views."""
         old = self.planes

@@ -336,3 +336,28 @@ def test_quantized_kernels_compile_for_gpu() -> None:
     """Ahead-of-time compile of the quantized kernel variants (no GPU needed): int8 on sm_80 and
     sm_90, fp8 e4m3 / e5m2 on sm_90."""
     compile_kernels(_COMPILE_BODY)
+
+
+@pytest.mark.parametrize("kv", [("auto", "auto"), ("int8", "int8"), ("fp8_e4m3", "int8")])
+def test_kv_cache_exports_and_imports_tier_payloads_with_scales(kv: tuple[str, str]) -> None:
+    """The KV tier's payload path: a block exported from one cache and imported into another
+    (another replica) is bit-exact, scales included; a payload of another layout does not fit."""
+    from pagedllm.attention.base import write_kv
+    from pagedllm.runner.kv_cache import KVCache
+
+    m = _model()
+    a = KVCache(m, 6, 4, "cpu", k_cache_dtype=kv[0], v_cache_dtype=kv[1])
+    b = KVCache(m, 6, 4, "cpu", k_cache_dtype=kv[0], v_cache_dtype=kv[1])
+    for i, (kc, vc) in enumerate(a.layers):
+        x = torch.randn(24, 2, 32, generator=torch.Generator().manual_seed(i))
+        write_kv(x, -x, kc, vc, torch.arange(24))
+    payloads = a.export_blocks([2, 4])
+    assert all(b.payload_fits(p) for p in payloads)
+    b.import_blocks([(payloads[0], 0), (payloads[1], 5)])
+    for pa, pb in zip(_snapshot(a), _snapshot(b), strict=True):
+        assert torch.equal(pa[:, :, 2], pb[:, :, 0]) and torch.equal(pa[:, :, 4], pb[:, :, 5])
+    other = KVCache(m, 2, 4, "cpu", k_cache_dtype="auto" if kv[0] != "auto" else "int8")
+    assert not other.payload_fits(payloads[0])
+    bad = dict(payloads[0])
+    bad.pop("p0")
+    assert not b.payload_fits(bad)
