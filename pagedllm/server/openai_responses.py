@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.outputs import RequestOutput
 from pagedllm.server.protocol import StrictModel
@@ -67,6 +67,29 @@ class ResponsesRequest(StrictModel):
     ignore_eos: bool | None = None
     request_id: str | None = None
     priority: int | None = None
+
+
+class ResponseObject(BaseModel):
+    """OpenAI's Response object, for the OpenAPI document (``ResponseShape`` fills it)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None = None
+
+
+class ResponseStreamEvent(BaseModel):
+    """One streamed event (``event: <type>``), for the OpenAPI document."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    sequence_number: int
 
 
 def chat_body(req: ResponsesRequest) -> dict[str, Any]:

@@ -17,7 +17,11 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
-from pagedllm.server.openai_responses import ResponsesRequest
+from pagedllm.server.openai_responses import (
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+)
 from pagedllm.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -40,7 +44,8 @@ _MODELS: list[tuple[type[BaseModel], JsonSchemaMode]] = [
                                   DetokenizeRequest, ResponsesRequest)),
     *((m, "serialization") for m in (CompletionResponse, ChatCompletionResponse, ChatCompletionChunk,
                                      TokenizeResponse, DetokenizeResponse, ModelCard, ModelList, ErrorResponse,
-                                     HealthResponse, VersionResponse)),
+                                     HealthResponse, VersionResponse, ResponseObject,
+                                     ResponseStreamEvent)),
 ]
 _REFS, _DEFS = models_json_schema(_MODELS, ref_template="#/components/schemas/{model}")
 
@@ -67,17 +72,17 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
                             "content": {"application/json": {"schema": _ref(model, "validation")}}}}
 
 
-def answers(model: type[BaseModel] | None, *statuses: int, stream: type[BaseModel] | None = None
+def answers(model: type[BaseModel] | None, *statuses: int, stream: type[BaseModel] | None = None,
+            stream_end: str = "an ErrorResponse if the engine fails mid-way; `[DONE]` last"
             ) -> dict[int | str, dict[str, Any]]:
     """A route's ``responses``: 200 with ``model`` (or, with ``stream``, server-sent events of
-    that chunk when the request says ``"stream": true``), and the error ``statuses``."""
+    that chunk when the request says ``"stream": true``, ending as ``stream_end`` says), and the
+    error ``statuses``."""
     out: dict[int | str, dict[str, Any]] = {}
     if model is not None:
         content = {"application/json": {"schema": _ref(model, "serialization")}}
         if stream is not None:
-            data = {"type": "string", "description": (
-                f"a {stream.__name__} as JSON; an ErrorResponse if the engine fails mid-way; "
-                "`[DONE]` last")}
+            data = {"type": "string", "description": f"a {stream.__name__} as JSON; {stream_end}"}
             content["text/event-stream"] = {"schema": {  # one event (OpenAPI 3.1)
                 "type": "object", "required": ["data"], "properties": {"data": data}}}
         out[200] = {"description": "OK", "content": content}

@@ -14,8 +14,10 @@ from pagedllm.engine.client import EngineError, OutputStream
 from pagedllm.outputs import RequestOutput
 from pagedllm.server.openai_responses import (
     PARAMS,
+    ResponseObject,
     ResponseShape,
     ResponsesRequest,
+    ResponseStreamEvent,
     call_item,
     chat_body,
     final_status,
@@ -36,7 +38,9 @@ router = APIRouter(prefix="/v1", dependencies=AUTH)
 
 
 @router.post("/responses", openapi_extra=request_body(ResponsesRequest),
-             responses=answers(None, *GENERATE))
+             responses=answers(ResponseObject, *GENERATE, stream=ResponseStreamEvent,
+                               stream_end="response.completed, response.incomplete or "
+                               "response.failed last (no [DONE])"))
 async def responses(request: Request, srv: State, options: Options) -> Response:
     req = validate_body(ResponsesRequest, await read_json(request, srv.limits.max_request_bytes))
     try:
