@@ -130,14 +130,18 @@ async def run_rounds(base: str, rounds: int, rss: Callable[[], float | None], in
 def summarize_rounds(rounds: list[dict[str, Any]], before: float | None) -> dict[str, Any]:
     """Idle RSS before the rounds and after each. Two figures judge it: the highest idle RSS over
     the one before the rounds (a server that keeps a burst's memory doubles here), and the creep
-    per round after the first (warm-up) round: the median of the rises from one round's idle RSS to
-    the next's. A leak adds in every round; one late growth (an allocator arena, a cache filled
-    once: CI saw 880 -> 911 -> 913 MiB) adds in one, and the median of three or more rises
-    ignores it where the mean of two would not."""
+    per round after the first (warm-up) round. A leak adds in every round, so the creep is the
+    lower of two estimates that a leak both raises: the median of the rises from one round's idle
+    RSS to the next's, which ignores one late growth (an allocator arena, a cache filled once: CI
+    saw 880 -> 911 -> 913 MiB), and the median of the slopes between every two rounds
+    (Theil-Sen), which ignores idle RSS that goes up and down (CI saw 931 -> 943 -> 915 -> 936:
+    rises 12, -28, 20, median 16; slopes' median -1)."""
     idle = [r["rss_idle_mib"] for r in rounds if r["rss_idle_mib"] is not None]
     over = None if before is None or not idle else 100.0 * (max(idle) - before) / before
     rises = [b - a for a, b in zip(idle[1:], idle[2:])]
-    creep = statistics.median(rises) if rises else None
+    slopes = [(idle[j] - idle[i]) / (j - i) for i in range(1, len(idle))
+              for j in range(i + 1, len(idle))]
+    creep = min(statistics.median(rises), statistics.median(slopes)) if rises else None
     return {"rounds": rounds, "rss_before_mib": before, "rss_idle_mib": idle,
             "rss_idle_over_before_pct": over, "rss_creep_mib_per_round": creep,
             "server_errors": sum(n for r in rounds for s, n in r["statuses"].items()
