@@ -31,7 +31,14 @@ from pagedllm.server.protocol import ChatCompletionRequest
 from pagedllm.server.responses import SSE_HEADERS
 from pagedllm.server.routes.chat import start_chat
 from pagedllm.server.routes.common import AUTH, Options, State
-from pagedllm.server.serving import APIError, ClientGone, engine_failure, read_json, validate_body
+from pagedllm.server.serving import (
+    APIError,
+    ClientGone,
+    ServerState,
+    engine_failure,
+    read_json,
+    validate_body,
+)
 from pagedllm.server.tools import ToolPlan, ToolStream
 
 router = APIRouter(prefix="/v1", dependencies=AUTH)
@@ -50,7 +57,8 @@ async def responses(request: Request, srv: State, options: Options) -> Response:
     except APIError as e:  # name the Responses field
         e.param = PARAMS.get(e.param or "", e.param)
         raise
-    rid = rid.replace("resp-", "resp_", 1)
+    if chat.request_id is None:  # OpenAI's shape of a fresh id; a client's own id stays as sent
+        rid = "resp_" + rid.removeprefix("resp-")
     shape = ResponseShape(req, rid, model)
     if req.stream:
         return StreamingResponse(_events(srv, stream, shape, plan), media_type="text/event-stream",
@@ -135,7 +143,7 @@ class _Output:
         return out
 
 
-async def _events(srv: Any, stream: OutputStream, shape: ResponseShape,
+async def _events(srv: ServerState, stream: OutputStream, shape: ResponseShape,
                   plan: ToolPlan | None) -> AsyncIterator[str]:
     ev = _Events()
     output = _Output(ev)
