@@ -35,6 +35,7 @@ from pagedllm.config import (
 )
 from pagedllm.flags import add_flags, check_names, from_namespace, setting
 from pagedllm.hub import resolve_model
+from pagedllm.kv.ext_tier import KVTransferConfig
 from pagedllm.logging_utils import init_logger
 from pagedllm.lora.request import LoRAConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
@@ -156,6 +157,11 @@ class EngineArgs:
         _C.kv_events_endpoint, "publish the KV cache events (stored / removed / cleared, one "
         "msgpack batch per step) on a ZMQ PUB socket bound here, e.g. tcp://127.0.0.1:5557",
         group=MEMORY, metavar="ENDPOINT")
+    kv_transfer_config: str | dict[str, Any] | None = setting(
+        None, "a KV tier shared by replicas, vLLM's JSON shape: {\"kv_connector\": \"ray\", "
+        "\"kv_role\": \"kv_both\"} (ray: a named Ray actor; inproc: this process only); "
+        "optional \"kv_buffer_size\" (bytes, default 1 GiB) and \"kv_connector_extra_config\": "
+        "{\"actor_name\": ...}", group=MEMORY, metavar="JSON")
     free_window_blocks: bool = setting(
         _C.free_window_blocks, "sliding-window models: return KV blocks that leave the window to "
         "the pool (off: keep every block, as a full-attention model does)", group=MEMORY)
@@ -259,6 +265,8 @@ class EngineArgs:
                 kv_trace_path=self.kv_trace_path,
                 kv_events_endpoint=self.kv_events_endpoint,
                 free_window_blocks=self.free_window_blocks,
+                kv_transfer=(None if self.kv_transfer_config is None
+                             else KVTransferConfig.parse(self.kv_transfer_config)),
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -22,6 +22,7 @@ from pagedllm.choices import (
     SUPPORTED_DTYPES,
 )
 from pagedllm.config_hf import SUPPORTED_ARCHITECTURES, arch_traits, read_hf_config, rope_from_hf
+from pagedllm.kv.ext_tier import KVTransferConfig
 from pagedllm.lora.request import LoRAConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 
@@ -213,6 +214,7 @@ class CacheConfig:
     kv_events_endpoint: str | None = None  # ZMQ PUB of each step's KV events (kv/publisher.py)
     # Sliding-window models: free the blocks that leave every layer's window (kv/window.py).
     free_window_blocks: bool = True
+    kv_transfer: KVTransferConfig | None = None  # the KV tier shared by replicas (kv/transfer.py)
 
     def __post_init__(self) -> None:
         for flag in ("k_cache_dtype", "v_cache_dtype"):
@@ -351,6 +353,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self._check_batch_invariant()
+        if (c := self.cache).kv_transfer is not None:
+            c.kv_transfer.check(self.parallel.tensor_parallel_size, c.enable_prefix_caching,
+                                c.kv_window(self.model))
         dev = self.device
         if not (dev == "cpu" or dev == "cuda" or re.fullmatch(r"cuda:\d+", dev)):
             raise ValueError(f"device={dev!r} must be 'cpu', 'cuda' or 'cuda:N'")

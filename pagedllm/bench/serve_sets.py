@@ -1,7 +1,8 @@
 """``bench serve --policies round_robin,cache_aware`` / ``--serve-args '...'`` (repeatable): the
 pagedllm server started once per set of ``pagedllm serve`` flags, each driven with the same
 requests and arrivals (``run_serve``), side by side with one engine (no data parallelism) as
-the reference.
+the reference. With a KV tier (``--kv-transfer-config``) the prompt tokens loaded from it and
+the bytes moved each way are read too: what the tier saved, and what it cost in traffic.
 
 Per set, besides ``run_serve``'s TTFT, TPOT and throughput: the prompt positions the server
 computed, ``pagedllm:computed_prefill_tokens`` read from ``/metrics`` before and after the run
@@ -32,7 +33,9 @@ from pagedllm.bench.serve_backends import (
 )
 
 REFERENCE = "1 engine"
-COUNTERS = ("computed_prefill_tokens", "prompt_tokens", "prefix_cache_hits")
+# the tier's (--kv-transfer-config) are absent from a server without one: 0
+COUNTERS = ("computed_prefill_tokens", "prompt_tokens", "prefix_cache_hits",
+            "external_prefix_cache_hits", "kv_tier_bytes_loaded", "kv_tier_bytes_stored")
 
 
 def add_set_args(p: argparse.ArgumentParser) -> None:
@@ -125,7 +128,9 @@ def run_sets(sets: list[tuple[str, list[str]]], settings: ServerSettings, rounds
         s = summarize_runs(rs)
         s["computed_prefill_tokens"] = _median([x["computed_prefill_tokens"] for x in rs])
         s["per_round_computed_prefill_tokens"] = [x["computed_prefill_tokens"] for x in rs]
-        s["prompt_tokens"] = _median([x["prompt_tokens"] for x in rs])
+        for k in ("prompt_tokens", "external_prefix_cache_hits", "kv_tier_bytes_loaded",
+                  "kv_tier_bytes_stored"):
+            s[k] = _median([x.get(k, 0) for x in rs])
         summary[lab] = s
     ref = sets[0][0]
     for s in summary.values():
@@ -150,6 +155,8 @@ def format_sets(res: dict[str, Any]) -> str:
     rows = [{"set": lab, "computed prefill": f"{s['computed_prefill_tokens']:.0f}",
              f"x {ref}": f"{s['computed_prefill_tokens_ratio']:.2f}",
              "prompt tok": f"{s['prompt_tokens']:.0f}",
+             "tier loaded": f"{s.get('external_prefix_cache_hits', 0):.0f} tok "
+                            f"{s.get('kv_tier_bytes_loaded', 0) / 2**20:.1f} MiB",
              "out tok/s": f"{s['output_throughput']:.1f}",
              "TTFT ms": f"{s['ttft_mean_ms']:.1f}", "TPOT ms": f"{s['tpot_mean_ms']:.1f}",
              "failed": s["failed"]}

@@ -29,9 +29,11 @@ from pagedllm.engine.input import InputProcessor
 from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.executor import Executor, make_executor
 from pagedllm.generation_config import load_generation_defaults
+from pagedllm.kv.connector import make_transfer
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.kv.plan import KVPoolPlan, plan_kv_pool
 from pagedllm.kv.publisher import ZmqEventPublisher
+from pagedllm.kv.transfer import KVTransfer
 from pagedllm.logging_utils import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.request import Request, RequestStatus
@@ -79,6 +81,15 @@ class EngineCore:
             self._closing.callback(self.kv_publisher.close)
         executor.init_kv_cache(start)
         self.executor: Executor = executor
+        self.transfer: KVTransfer | None = None  # --kv-transfer-config: the replicas' KV tier
+        if config.cache.kv_transfer is not None:
+            def export(blocks: list[int]) -> list[Any]:
+                return executor.collective_rpc(ModelRunner.export_kv_blocks, blocks)[0]
+
+            layout = executor.collective_rpc(ModelRunner.kv_payload_layout)[0]
+            self.transfer = make_transfer(config, export, layout)
+            self.scheduler.external = self.transfer
+            self._closing.callback(self.kv.events.subscribe(self.transfer.on_event))
         self.input = InputProcessor(config, self.tokenizer, self.eos_token_ids)
         self.structured = StructuredOutputManager(self.tokenizer, config.model.vocab_size,
                                                   self.eos_token_ids)
@@ -240,6 +251,8 @@ class EngineCore:
                 m = model_input.token_masks
                 stats.num_structured_rows = len(m.rows)
                 stats.grammar_mask_time_s, stats.grammar_wait_time_s = m.compute_s, m.wait_s
+        if self.transfer is not None:  # the blocks cached this step, before a freed one is reused
+            self.transfer.flush()
         outputs = out.build(self._ended)
         self._release_ended(finished)
         upkeep = self.scheduler.end_step()  # compaction, or shrinking an idle pool: KV only

@@ -18,9 +18,10 @@ import json
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,17 @@ class KVTransferConfig:
     def consumes(self) -> bool:
         return self.kv_role in ("kv_both", "kv_consumer")
 
+    def check(self, tensor_parallel_size: int, prefix_caching: bool, window: int | None) -> None:
+        """What the tier does not cover yet, refused by name (``EngineConfig`` calls this)."""
+        for bad, why in [
+            (tensor_parallel_size > 1, "each rank holds a shard of every block; use -tp 1"),
+            (not prefix_caching, "blocks are keyed by the prefix cache's hashes; drop "
+             "--no-enable-prefix-caching"),
+            (window is not None, "a sliding-window model frees blocks behind the window; use "
+             "--no-free-window-blocks")]:
+            if bad:
+                raise ValueError(f"--kv-transfer-config: {why}, or drop --kv-transfer-config")
+
     @classmethod
     def parse(cls, text: str | dict[str, Any]) -> KVTransferConfig:
         """From the flag's JSON (or an already-parsed dict); clear errors for bad input."""
@@ -71,11 +83,19 @@ class KVTransferConfig:
         return cls(**text)
 
 
-Payload = dict[str, torch.Tensor]
+Payload = dict[str, "torch.Tensor"]
 
 
 def payload_bytes(payload: Payload) -> int:
     return sum(t.numel() * t.element_size() for t in payload.values())
+
+
+def payload_matches(payload: object, layout: dict[str, tuple[tuple[int, ...], str]]) -> bool:
+    """Whether ``payload`` holds exactly ``layout``'s planes (name -> (shape, dtype name))."""
+    if not isinstance(payload, dict) or set(payload) != set(layout):
+        return False
+    return all(tuple(payload[k].shape) == shape and str(payload[k].dtype) == dtype
+               for k, (shape, dtype) in layout.items())
 
 
 class KVTier(Protocol):

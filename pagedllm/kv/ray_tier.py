@@ -1,15 +1,21 @@
 """The Ray KV tier: one named Ray actor holds an ``LRUBlockStore`` shared by every replica.
 
-Replicas find it by name (``get_if_exists``), so the first one creates it and the others attach;
-payloads travel through Ray's object store. Calls block with a timeout; ``SafeTier`` around this
-turns a timeout or a dead actor into recompute.
+Replicas find it by name in the ``pagedllm`` namespace (``get_if_exists``), so the first one
+creates it and the others attach; it is detached, so it outlives the replica that made it (a
+replica killed under load leaves the tier whole). Payloads travel through Ray's object store.
+``get`` blocks with a timeout, ``put`` does not wait; ``SafeTier`` around this turns a timeout
+or a dead actor into recompute.
+
+A process not in Ray yet joins the cluster ``RAY_ADDRESS`` names (the data-parallel front end
+sets it for its replica processes), else starts a local one.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from pagedllm.kv.ext_tier import LRUBlockStore, Payload
+from pagedllm.kv.ext_tier import KVTransferConfig, LRUBlockStore, Payload
 
 TIMEOUT_S = 10.0
 
@@ -33,10 +39,12 @@ class RayTier:
         import ray
 
         if not ray.is_initialized():
-            ray.init(ignore_reinit_error=True, namespace=namespace)
+            ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True,
+                     include_dashboard=False)
         actor_cls: Any = ray.remote(num_cpus=0)(_TierActor)
         self._ray = ray
-        self.actor = actor_cls.options(name=name, get_if_exists=True, lifetime=None).remote(budget_bytes)
+        self.actor = actor_cls.options(name=name, namespace=namespace, get_if_exists=True,
+                                       lifetime="detached").remote(budget_bytes)
 
     def put(self, block_hash: int, token_ids: list[int], payload: Payload) -> None:
         self.actor.put.remote(block_hash, list(token_ids), payload)  # fire and forget
@@ -47,3 +55,15 @@ class RayTier:
 
     def stats(self) -> dict[str, int]:
         return self._ray.get(self.actor.stats.remote(), timeout=TIMEOUT_S)
+
+
+def share_ray_cluster(config: KVTransferConfig) -> None:
+    """Replica processes that share a ``ray`` tier must join one cluster: start (or join) it
+    here and name it to them in ``RAY_ADDRESS``, which the processes started next inherit."""
+    if config.kv_connector != "ray":
+        return
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address

@@ -11,9 +11,13 @@ from typing import Any
 
 from pagedllm.sched.stats import KVBlockCounts, SpecDecodeCounts, StepStats
 
+# the KV tier's counters (--kv-transfer-config), in StepStats and kv_stats() alike
+_TIER = ("external_prefix_cache_queries", "external_prefix_cache_hits", "kv_tier_blocks_loaded",
+         "kv_tier_blocks_stored", "kv_tier_bytes_loaded", "kv_tier_bytes_stored")
 # StepStats fields that are a count of the replica's state or a counter since start-up
 _SUMMED = ("num_running", "num_waiting", "num_swapped", "num_preemptions", "prefix_cache_queries",
-           "prefix_cache_hits", "swapped_out_blocks", "swapped_in_blocks", "window_freed_blocks")
+           "prefix_cache_hits", "swapped_out_blocks", "swapped_in_blocks", "window_freed_blocks",
+           *_TIER)
 
 
 def merge_stats(records: Sequence[StepStats]) -> StepStats:
@@ -41,7 +45,7 @@ _KV_SUMMED = ("num_blocks", "used_blocks", "cached_blocks", "free_blocks", "shar
               "pinned_blocks", "window_freed_blocks", "prefix_cache_queries", "prefix_cache_hits",
               "num_preemptions", "swapped_out_blocks", "swapped_in_blocks", "num_swapped",
               "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-              "spec_decode_num_accepted_tokens")
+              "spec_decode_num_accepted_tokens", *_TIER)
 
 
 def merge_kv_stats(per_replica: Sequence[dict[str, Any] | None]) -> dict[str, Any]:

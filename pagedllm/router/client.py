@@ -48,6 +48,7 @@ from pagedllm.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
+from pagedllm.kv.ray_tier import share_ray_cluster
 from pagedllm.logging_utils import init_logger
 from pagedllm.lora.request import LoRARequest, lora_extra_keys
 from pagedllm.router.aggregate import engine_row, merge_kv_stats, merge_stats
@@ -102,6 +103,8 @@ class DPClient(EngineClient):
             return
         self._started = True
         self._loop = asyncio.get_running_loop()
+        if self._backend == "mp" and self.config.cache.kv_transfer is not None:
+            share_ray_cluster(self.config.cache.kv_transfer)  # one tier for every process
         got = await asyncio.gather(*(r.link.start(partial(self._from_replica, r.index))
                                      for r in self.replicas), return_exceptions=True)
         failed = [g for g in got if isinstance(g, BaseException)]

@@ -39,6 +39,7 @@ from pagedllm.attention.quant import (
     raw,
 )
 from pagedllm.config import ModelConfig
+from pagedllm.kv.ext_tier import payload_matches
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -153,12 +154,14 @@ class KVCache:
         return [{f"p{j}": pl[:, :, i].clone() for j, pl in enumerate(planes)}
                 for i in range(len(blocks))]
 
+    def payload_layout(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """What one block's payload holds: plane name -> (shape, dtype name)."""
+        return {f"p{j}": (tuple(p.shape[:2] + p.shape[3:]), str(raw(p).dtype))
+                for j, p in enumerate(self.planes)}
+
     def payload_fits(self, payload: dict[str, torch.Tensor]) -> bool:
         """Whether ``payload`` has this cache's planes, shapes and dtypes (else: recompute)."""
-        if set(payload) != {f"p{j}" for j in range(len(self.planes))}:
-            return False
-        return all(payload[f"p{j}"].shape == p.shape[:2] + p.shape[3:]
-                   and payload[f"p{j}"].dtype == raw(p).dtype for j, p in enumerate(self.planes))
+        return payload_matches(payload, self.payload_layout())
 
     def import_blocks(self, pairs: list[tuple[dict[str, torch.Tensor], int]]) -> None:
         """Write each (payload, device block); payloads must ``payload_fits``. One scatter per

@@ -261,6 +261,7 @@ class ModelRunner:
         kv.swap_out(u.swap_out)
         kv.copy_blocks(u.block_copies)
         kv.swap_in(u.swap_in)
+        kv.import_blocks(u.loads)
 
     def add_lora(self, req: LoRARequest) -> None:
         """Load and check an adapter into the host cache (``LoRAError`` if it cannot run)."""
@@ -376,6 +377,13 @@ class ModelRunner:
     def kv_contents(self) -> list[torch.Tensor]:
         """Host copies of this rank's KV planes (``collective_rpc(ModelRunner.kv_contents)``)."""
         return [p.cpu().clone() for p in self.kv_cache.planes]
+
+    def export_kv_blocks(self, blocks: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The blocks' K/V (and scales) as CPU payloads for the KV tier (``KVCache.export_blocks``)."""
+        return self.kv_cache.export_blocks(blocks)
+
+    def kv_payload_layout(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return self.kv_cache.payload_layout()
 
     def release(self, request_ids: list[str]) -> None:
         """Forget per-request state (seeded generators, penalty counts) of finished requests."""

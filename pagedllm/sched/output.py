@@ -5,6 +5,7 @@ Python."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.request import Request
 
@@ -48,8 +49,9 @@ class KVUpdate:
       4. ``swap_out``    device -> host       (preempted by swap; read before any write below)
       5. ``block_copies`` device -> device    (copy-on-write of shared partial blocks)
       6. ``swap_in``     host -> device       (into fresh blocks, possibly freed by 2-4)
+      7. ``loads``       KV tier -> device    (payloads of verified blocks, into fresh blocks)
 
-    Ids in 4-6 are the block ids after 1-3 (the KV manager decided them in that order).
+    Ids in 4-7 are the block ids after 1-3 (the KV manager decided them in that order).
     """
 
     resize: int | None = None  # the device pool's size in blocks from this step on
@@ -57,11 +59,12 @@ class KVUpdate:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device ids
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    loads: list[tuple[Any, int]] = field(default_factory=list)  # (tier payload, device)
 
     @property
     def is_empty(self) -> bool:
         return (self.resize is None and not self.compaction and not self.swap_out
-                and not self.block_copies and not self.swap_in)
+                and not self.block_copies and not self.swap_in and not self.loads)
 
 
 @dataclass

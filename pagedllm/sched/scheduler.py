@@ -36,6 +36,7 @@ from collections.abc import Mapping
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.kv.manager import KVCacheManager, PrefixHit
+from pagedllm.kv.transfer import KVTransfer
 from pagedllm.lora.request import LoRAPlaces
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sched.admission import check_fits
@@ -70,6 +71,7 @@ class Scheduler:
         self._forks: dict[str, list[Request]] = {}
         self._fork_parent: dict[str, str] = {}  # pending child id -> parent id
         self.holds = KVHolds(kv)  # finished requests' blocks kept for a later fork_of
+        self.external: KVTransfer | None = None  # the cluster KV tier (--kv-transfer-config)
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, req: Request, forks: list[Request] | None = None) -> None:
@@ -259,10 +261,14 @@ class Scheduler:
                     used = -refund
                 budget -= used
                 continue
-            prefix, computed = None, 0
+            prefix, computed, found = None, 0, None
             if req.params.prompt_logprobs is None and self.kv.enable_prefix_caching:
                 prefix = self.kv.find_prefix(req.token_ids, req.prefix_keys, record_stats=False)
                 computed = prefix.num_tokens
+                if self.external is not None:  # the blocks after the local hit, from the tier
+                    found = self.external.lookup(req.request_id, req.token_ids, req.prefix_keys,
+                                                 prefix)
+                    computed += 0 if found is None else found.num_tokens
             n = self._wanted(req) - computed  # waiting requests have computed nothing
             if n == 0:  # a parent whose hit covers the fork point: fork now, then run 1 token
                 n = 1
@@ -278,7 +284,10 @@ class Scheduler:
                 budget += refund
                 continue
             heapq.heappop(self.waiting)
-            self.kv.record_prefix_query(req.num_tokens, computed)
+            self.kv.record_prefix_query(req.num_tokens, 0 if prefix is None else prefix.num_tokens)
+            if self.external is not None:  # loads into the new table's fresh blocks
+                out.kv.loads += self.external.admitted(req.request_id, req.num_tokens, found,
+                                                       self.kv.block_table(req.request_id))
             req.num_cached_tokens = computed if req.num_cached_tokens is None else req.num_cached_tokens
             req.num_computed_tokens = computed
             req.status = RequestStatus.RUNNING

@@ -91,6 +91,14 @@ class StepStats:
     preemptions_by_kind: dict[str, int] = field(default_factory=dict)
     prefix_cache_queries: int = 0  # prompt tokens looked up (since the last stats reset)
     prefix_cache_hits: int = 0
+    # the KV tier shared by replicas (--kv-transfer-config): prompt tokens looked up, loaded,
+    # and blocks / bytes moved each way
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_tier_blocks_loaded: int = 0
+    kv_tier_blocks_stored: int = 0
+    kv_tier_bytes_loaded: int = 0
+    kv_tier_bytes_stored: int = 0
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
     window_freed_blocks: int = 0  # freed behind a sliding window
@@ -170,6 +178,11 @@ class StepStats:
         self.num_preemptions = sched.num_preemptions
         self.preemptions_by_kind = dict(sched.preemptions_by_kind)
         self.prefix_cache_queries, self.prefix_cache_hits = kv.stats.queries, kv.stats.hits
+        if (t := sched.external) is not None:
+            x = t.stats
+            self.external_prefix_cache_queries, self.external_prefix_cache_hits = x.queries, x.hits
+            self.kv_tier_blocks_loaded, self.kv_tier_blocks_stored = x.blocks_loaded, x.blocks_stored
+            self.kv_tier_bytes_loaded, self.kv_tier_bytes_stored = x.bytes_loaded, x.bytes_stored
         self.swapped_out_blocks, self.swapped_in_blocks = kv.host.stats["out"], kv.host.stats["in"]
         self.window_freed_blocks = kv.num_window_freed
         self.step_time_s = step_time_s

@@ -68,6 +68,17 @@ class _EngineStateCollector(Collector):
                      "Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries)
         yield family(C, "pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                      lambda s: s.prefix_cache_hits)
+        if self.client.config.cache.kv_transfer is not None:  # vLLM's names for the KV tier's
+            yield family(C, "pagedllm:external_prefix_cache_queries",
+                         "Prompt tokens looked up in the KV tier shared by replicas.",
+                         lambda s: s.external_prefix_cache_queries)
+            yield family(C, "pagedllm:external_prefix_cache_hits",
+                         "Prompt tokens loaded from the KV tier instead of computed.",
+                         lambda s: s.external_prefix_cache_hits)
+            yield family(C, "pagedllm:kv_tier_bytes_loaded", "KV bytes loaded from the tier.",
+                         lambda s: s.kv_tier_bytes_loaded)
+            yield family(C, "pagedllm:kv_tier_bytes_stored", "KV bytes stored in the tier.",
+                         lambda s: s.kv_tier_bytes_stored)
         yield family(C, "pagedllm:num_preemptions", "Preemptions since start-up.",
                      lambda s: s.num_preemptions)
         lora = self.client.config.lora

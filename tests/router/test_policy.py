@@ -228,8 +228,12 @@ def test_totals_over_replicas() -> None:
            "spec_decode_num_accepted_tokens": 0}
     one |= {k: 0 for k in ("cached_blocks", "free_blocks", "shared_blocks", "pinned_blocks",
                            "window_freed_blocks", "num_preemptions", "swapped_out_blocks",
-                           "swapped_in_blocks", "num_swapped")}
+                           "swapped_in_blocks", "num_swapped", "kv_tier_blocks_loaded",
+                           "kv_tier_blocks_stored", "kv_tier_bytes_loaded",
+                           "kv_tier_bytes_stored", "external_prefix_cache_queries")}
+    one["external_prefix_cache_hits"] = 32
     two = one | {"prefix_cache_queries": 6, "prefix_cache_hits": 6, "max_blocks_per_request": 5}
     s = merge_kv_stats([one, None, two])
     assert (s["num_blocks"], s["prefix_cache_hits"], s["max_blocks_per_request"]) == (16, 10, 5)
+    assert s["external_prefix_cache_hits"] == 64
     assert s["prefix_cache_hit_rate"] == 10 / 16 and s["replicas"] == [one, None, two]
