@@ -170,6 +170,15 @@ class SafeTier:
         except Exception as e:  # noqa: BLE001 - a tier must never fail a request
             self._failed("put", e)
 
+    def sync(self) -> None:
+        """Wait until what was put is visible to every reader (a tier that stores at once: no-op)."""
+        sync = getattr(self.tier, "sync", None)
+        if sync is not None:
+            try:
+                sync()
+            except Exception as e:  # noqa: BLE001
+                self._failed("put", e)
+
     def get(self, block_hashes: list[int], token_ids: list[list[int]]) -> list[Payload]:
         try:
             got = self.tier.get(block_hashes, token_ids)

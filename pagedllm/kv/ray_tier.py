@@ -3,8 +3,8 @@
 Replicas find it by name in the ``pagedllm`` namespace (``get_if_exists``), so the first one
 creates it and the others attach; it is detached, so it outlives the replica that made it (a
 replica killed under load leaves the tier whole). Payloads travel through Ray's object store.
-``get`` blocks with a timeout, ``put`` does not wait; ``SafeTier`` around this turns a timeout
-or a dead actor into recompute.
+``put`` does not wait, ``sync`` (after a step's puts) and ``get`` block with a timeout;
+``SafeTier`` around this turns a timeout or a dead actor into recompute.
 
 A process not in Ray yet joins the cluster ``RAY_ADDRESS`` names (the data-parallel front end
 sets it for its replica processes), else starts a local one.
@@ -43,11 +43,18 @@ class RayTier:
                      include_dashboard=False)
         actor_cls: Any = ray.remote(num_cpus=0)(_TierActor)
         self._ray = ray
+        self._puts: list[Any] = []  # refs of the puts not synced yet
         self.actor = actor_cls.options(name=name, namespace=namespace, get_if_exists=True,
                                        lifetime="detached").remote(budget_bytes)
 
     def put(self, block_hash: int, token_ids: list[int], payload: Payload) -> None:
-        self.actor.put.remote(block_hash, list(token_ids), payload)  # fire and forget
+        self._puts.append(self.actor.put.remote(block_hash, list(token_ids), payload))
+
+    def sync(self) -> None:
+        """Wait until the actor holds every block put so far: another replica may ask for them
+        as soon as this one's step outputs are out (Ray orders one caller's calls, not two's)."""
+        puts, self._puts = self._puts, []
+        self._ray.get(puts, timeout=TIMEOUT_S)
 
     def get(self, block_hashes: list[int], token_ids: list[list[int]]) -> list[Payload]:
         ref = self.actor.get.remote(list(block_hashes), [list(t) for t in token_ids])

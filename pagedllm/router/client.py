@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -52,9 +51,11 @@ from pagedllm.kv.ray_tier import share_ray_cluster
 from pagedllm.logging_utils import init_logger
 from pagedllm.lora.request import LoRARequest, lora_extra_keys
 from pagedllm.router.aggregate import engine_row, merge_kv_stats, merge_stats
+from pagedllm.router.disagg import PrefillDecode
 from pagedllm.router.policy import IMBALANCE_THRESHOLD, ReplicaLoad, make_policy
 from pagedllm.router.prefix_index import lookup_blocks, request_block_hashes
 from pagedllm.router.replica import Replica, Route, make_link
+from pagedllm.router.scaling import ElasticReplicas
 from pagedllm.sched.stats import StepStats
 
 logger = init_logger(__name__)
@@ -62,14 +63,14 @@ logger = init_logger(__name__)
 BACKENDS = ("mp", "ray")
 
 
-class DPClient(EngineClient):
+class DPClient(ElasticReplicas, EngineClient):
     """``size`` engine cores, one front end. ``num_threads``: torch threads per replica
     (default: this machine's cores / size; with Ray also the CPUs each actor reserves)."""
 
     def __init__(self, engine_args: EngineArgs, config: EngineConfig | None = None, *,
                  size: int = 2, backend: str = "mp", policy: str = "cache_aware",
                  batch_wait_ms: float = 0.0, num_threads: int | None = None,
-                 imbalance_threshold: int = IMBALANCE_THRESHOLD) -> None:
+                 imbalance_threshold: int = IMBALANCE_THRESHOLD, prefill_replicas: int = 0) -> None:
         if size < 1:
             raise ValueError(f"--data-parallel-size {size}: give 1 or more replicas")
         if backend not in BACKENDS:
@@ -77,6 +78,10 @@ class DPClient(EngineClient):
         if batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms={batch_wait_ms} must be >= 0")
         config = config or engine_args.create_engine_config()
+        if prefill_replicas and config.cache.kv_transfer is None:
+            raise ValueError("--prefill-replicas hands the prompt's KV over the KV tier: give "
+                             "--kv-transfer-config too")
+        self.pd = PrefillDecode(prefill_replicas, size) if prefill_replicas else None
         super().__init__(FrontEnd(config), StepStats())
         self.policy = make_policy(policy, imbalance_threshold)
         threads = num_threads or max(1, (os.cpu_count() or 1) // size)
@@ -183,8 +188,11 @@ class DPClient(EngineClient):
         else:
             raise TypeError(f"{type(msg).__name__} goes to one replica: use replica_utility")
 
-    def _route(self, req: EngineCoreRequest) -> None:
-        live = self.routable
+    def _route(self, req: EngineCoreRequest, decode: bool = False) -> None:
+        """Send ``req`` to a replica (with ``--prefill-replicas``: its prefill pass first)."""
+        live, sent = self.routable, req
+        if self.pd is not None:
+            sent, live = self.pd.place(req, live, [r.index for r in live], decode)
         if not live:
             raise EngineUnavailable("no engine replica is running")
         bs = self.config.cache.block_size
@@ -196,7 +204,19 @@ class DPClient(EngineClient):
         self._routes[req.request_id] = Route(choice.replica, hashes, req)
         self.replicas[choice.replica].requests.add(req.request_id)
         self.policy.routed(choice.replica, hashes)
-        self.replicas[choice.replica].link.send(req)
+        self.replicas[choice.replica].link.send(sent)
+
+    def _decode(self, req: EngineCoreRequest) -> None:
+        """Its prefill pass ended: the request itself to a decode replica (unless aborted)."""
+        route = self._routes.pop(req.request_id, None)
+        if route is None:
+            return
+        self.replicas[route.replica].requests.discard(req.request_id)
+        self.policy.finished(route.replica, route.hashes)
+        try:
+            self._route(req, decode=True)
+        except EngineError as e:
+            self._fail_request(req.request_id, e)
 
     def _send_to(self, i: int, msg: ToCore) -> None:
         if self.replicas[i].dead is None:
@@ -211,6 +231,8 @@ class DPClient(EngineClient):
         if route is not None:
             self.replicas[route.replica].requests.discard(request_id)
             self.policy.finished(route.replica, route.hashes)
+        if self.pd is not None:
+            self.pd.forget(request_id)
         return stream
 
     def _streamed(self, request_id: str) -> None:
@@ -230,6 +252,9 @@ class DPClient(EngineClient):
                 self.policy.on_kv_events(i, batch)
         elif isinstance(msg, UtilityResult):
             self._call_targets.pop(msg.call_id, None)
+        if self.pd is not None and isinstance(msg, EngineCoreOutputs):
+            for req in self.pd.prefilled(msg):
+                self._decode(req)
         self._dispatch(msg, i)
 
     def _record_stats(self, stats: StepStats, step: bool, source: int) -> None:
@@ -338,57 +363,3 @@ class DPClient(EngineClient):
     # -- scaling --------------------------------------------------------------------------------
     def _link(self, i: int) -> CoreLink:
         return make_link(self._engine_args, self._backend, replace(self._options, data_parallel_rank=i))
-
-    async def add_replica(self) -> int:
-        """Start one more replica, load the adapters served into it and put it in routing; its
-        index (indices are never reused). RuntimeError if it fails to start: nothing changed."""
-        self._check_running()
-        async with self._scaling:
-            r = Replica(len(self.replicas), self._link(len(self.replicas)))
-            r.dead, r.draining = "starting", True  # heard only once started, routed once ready
-            self.replicas.append(r)
-            try:
-                ready = await r.link.start(partial(self._from_replica, r.index))
-                r.stats, r.dead = ready.stats, None
-                for args, _ in list(self._loras.values()):
-                    await self.replica_utility(r.index, "add_lora", *args)
-            except BaseException as e:
-                r.dead, r.removed = f"failed to start: {e}", True
-                await r.link.stop(5)
-                raise RuntimeError(f"engine replica {r.index} failed to start: {e}") from e
-            r.draining = False
-            self._tasks.append(asyncio.ensure_future(self._watch(r)))
-            logger.info("engine replica %d added; %d serving", r.index, len(self.routable))
-            return r.index
-
-    async def scale(self, size: int, drain_timeout: float = 120.0) -> None:
-        """Add replicas, or drain and remove the newest ones, until ``size`` serve."""
-        if size < 1:
-            raise ValueError(f"new_data_parallel_size={size}: give 1 or more replicas")
-        while len(self.routable) < size:
-            await self.add_replica()
-        while len(self.routable) > size:
-            await self.remove_replica(self.routable[-1].index, drain_timeout)
-
-    async def remove_replica(self, i: int, drain_timeout: float = 120.0) -> None:
-        """Take replica ``i`` out of routing, let its requests finish (at most ``drain_timeout``
-        seconds; then those that streamed nothing go to another replica, the rest end with an
-        error) and stop it. ValueError for a replica that is not serving or the last one."""
-        async with self._scaling:
-            if not 0 <= i < len(self.replicas) or self.replicas[i] not in self.routable:
-                raise ValueError(f"engine replica {i} is not serving")
-            if len(self.routable) == 1:
-                raise ValueError("the last serving engine replica cannot be removed")
-            r = self.replicas[i]
-            r.draining = True
-            deadline = time.monotonic() + drain_timeout
-            while r.requests and r.dead is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-            r.removed = True
-            moved, failed = self._leave(i, "removed", EngineError(
-                f"engine replica {i} was removed before the request finished"))
-            await r.link.stop(5)
-            self.stats = merge_stats([x.stats for x in self.live])
-            logger.info("engine replica %d removed (%d requests moved, %d failed); %d serving",
-                        i, moved, failed, len(self.routable))
-

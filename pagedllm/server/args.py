@@ -117,6 +117,10 @@ class ServerArgs:
     routing_imbalance_threshold: int = setting(
         IMBALANCE_THRESHOLD, "cache_aware: when the replicas' request counts differ by more, "
         "route to the least loaded whatever it has cached", group=DP)
+    prefill_replicas: int = setting(
+        0, "prefill/decode split: the first K replicas only prefill (a request's prompt, its KV "
+        "put in the --kv-transfer-config tier), the others load it and decode (0: every replica "
+        "does both)", group=DP, metavar="K")
     data_parallel_threads: int | None = setting(
         None, "torch threads per replica (default: this machine's cores / "
         "--data-parallel-size; with ray also the CPUs each actor reserves)", group=DP)

@@ -121,9 +121,10 @@ def make_engine(srv: ServerArgs, engine_args: EngineArgs, config: EngineConfig) 
             raise ValueError("--engine-in-process runs one engine; drop it or "
                              "--data-parallel-size")
         return LLMEngine.from_engine_args(engine_args)
-    if dp == 1 and srv.data_parallel_backend == "mp":
+    if dp == 1 and srv.data_parallel_backend == "mp" and not srv.prefill_replicas:
         return MPClient(engine_args, config, srv.batch_wait_ms, srv.data_parallel_threads)
     return DPClient(engine_args, config, size=dp, backend=srv.data_parallel_backend,
                     policy=srv.routing_policy, batch_wait_ms=srv.batch_wait_ms,
                     num_threads=srv.data_parallel_threads,
-                    imbalance_threshold=srv.routing_imbalance_threshold)
+                    imbalance_threshold=srv.routing_imbalance_threshold,
+                    prefill_replicas=srv.prefill_replicas)

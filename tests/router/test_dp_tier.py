@@ -62,3 +62,44 @@ def test_round_robin_with_the_tier_computes_what_one_engine_computes() -> None:
           f"{stats['kv_tier_bytes_loaded']}, stored {stats['kv_tier_bytes_stored']}")
     assert with_tier <= 1.1 * one_engine and with_tier <= 0.8 * plain, (plain, with_tier)
     assert stats["external_prefix_cache_hits"] > 0 and stats["kv_tier_bytes_loaded"] > 0
+
+
+@pytest.mark.slow  # a local Ray instance and two engine processes: ~30 s on 2 cores
+def test_prefill_decode_split_decodes_without_computing_the_prompt() -> None:
+    """``--prefill-replicas 1`` of 2: replica 0 prefills, replica 1 loads the prompt's full
+    blocks from the tier and computes only each prompt's last partial block."""
+    ray = pytest.importorskip("ray")
+    want = reference(PROMPTS, 12)
+    prompts = tenant_workload(7, tenants=2, users=3, system_len=100, user_len=21)
+    want_tok = reference([{"prompt_token_ids": p} for p in prompts], 4)
+    address = os.environ.pop("RAY_ADDRESS", None)
+
+    async def main() -> tuple[list, list, list[int], dict]:
+        tier = {"kv_connector": "ray", "kv_connector_extra_config": {"actor_name": "pd-tier"}}
+        dp = DPClient(engine_args(kv_transfer_config=tier), size=2, policy="cache_aware",
+                      num_threads=1, prefill_replicas=1)
+        await dp.start()
+        try:
+            got = await asyncio.gather(*(generate(dp, f"p{i}", p, greedy(12))
+                                         for i, p in enumerate(PROMPTS)))
+            before = [r.computed_prefill_tokens for r in dp.replicas]
+            toks = await run_workload(dp, prompts, 2, 4, "w")
+            computed = [r.computed_prefill_tokens - b for r, b in zip(dp.replicas, before)]
+            return got, toks, computed, await dp.kv_stats()
+        finally:
+            await dp.shutdown()
+
+    try:
+        got, toks, computed, stats = asyncio.run(main())
+    finally:
+        ray.shutdown()
+        os.environ.pop("RAY_ADDRESS", None)
+        if address is not None:
+            os.environ["RAY_ADDRESS"] = address
+    assert got == want and toks == want_tok
+    last_partial = sum(len(p) - 16 * ((len(p) - 1) // 16) for p in prompts)
+    print(f"\nprefill/decode: prefill replica computed {computed[0]}, decode replica "
+          f"{computed[1]} (last partial blocks: {last_partial})")
+    assert 0 < computed[1] <= last_partial, computed
+    decode = stats["replicas"][1]
+    assert decode["external_prefix_cache_hits"] > 0 and decode["kv_tier_blocks_stored"] >= 0
