@@ -67,7 +67,8 @@ def test_round_robin_with_the_tier_computes_what_one_engine_computes() -> None:
 @pytest.mark.slow  # a local Ray instance and two engine processes: ~30 s on 2 cores
 def test_prefill_decode_split_decodes_without_computing_the_prompt() -> None:
     """``--prefill-replicas 1`` of 2: replica 0 prefills, replica 1 loads the prompt's full
-    blocks from the tier and computes only each prompt's last partial block."""
+    blocks from the tier and computes only each prompt's last partial block; with the prefill
+    replica killed, the decode replica serves whole requests."""
     ray = pytest.importorskip("ray")
     want = reference(PROMPTS, 12)
     prompts = tenant_workload(7, tenants=2, users=3, system_len=100, user_len=21)
@@ -85,7 +86,13 @@ def test_prefill_decode_split_decodes_without_computing_the_prompt() -> None:
             before = [r.computed_prefill_tokens for r in dp.replicas]
             toks = await run_workload(dp, prompts, 2, 4, "w")
             computed = [r.computed_prefill_tokens - b for r, b in zip(dp.replicas, before)]
-            return got, toks, computed, await dp.kv_stats()
+            stats = await dp.kv_stats()
+            dp.replicas[0].link.kill()  # type: ignore[attr-defined]
+            while dp.degraded is None:
+                await asyncio.sleep(0.05)
+            # no prefill replica left: the decode replica prefills as well
+            assert await generate(dp, "alone", PROMPTS[2], greedy(12)) == want[2]
+            return got, toks, computed, stats
         finally:
             await dp.shutdown()
 
