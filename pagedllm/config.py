@@ -354,8 +354,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self._check_batch_invariant()
         if (c := self.cache).kv_transfer is not None:
-            c.kv_transfer.check(self.parallel.tensor_parallel_size, c.enable_prefix_caching,
-                                c.kv_window(self.model))
+            c.kv_transfer.check(c.enable_prefix_caching, c.kv_window(self.model))
         dev = self.device
         if not (dev == "cpu" or dev == "cuda" or re.fullmatch(r"cuda:\d+", dev)):
             raise ValueError(f"device={dev!r} must be 'cpu', 'cuda' or 'cuda:N'")

@@ -30,6 +30,7 @@ from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.executor import Executor, make_executor
 from pagedllm.generation_config import load_generation_defaults
 from pagedllm.kv.connector import make_transfer
+from pagedllm.kv.ext_tier import merge_ranks
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.kv.plan import KVPoolPlan, plan_kv_pool
 from pagedllm.kv.publisher import ZmqEventPublisher
@@ -83,10 +84,11 @@ class EngineCore:
         self.executor: Executor = executor
         self.transfer: KVTransfer | None = None  # --kv-transfer-config: the replicas' KV tier
         if config.cache.kv_transfer is not None:
-            def export(blocks: list[int]) -> list[Any]:
-                return executor.collective_rpc(ModelRunner.export_kv_blocks, blocks)[0]
+            def export(blocks: list[int]) -> list[Any]:  # every rank's heads of each block
+                parts = executor.collective_rpc(ModelRunner.export_kv_blocks, blocks)
+                return [merge_ranks([p[i] for p in parts]) for i in range(len(blocks))]
 
-            layout = executor.collective_rpc(ModelRunner.kv_payload_layout)[0]
+            layout = merge_ranks(executor.collective_rpc(ModelRunner.kv_payload_layout))
             self.transfer = make_transfer(config, export, layout)
             self.scheduler.external = self.transfer
             self._closing.callback(self.kv.events.subscribe(self.transfer.on_event))

@@ -53,10 +53,9 @@ class KVTransferConfig:
     def consumes(self) -> bool:
         return self.kv_role in ("kv_both", "kv_consumer")
 
-    def check(self, tensor_parallel_size: int, prefix_caching: bool, window: int | None) -> None:
+    def check(self, prefix_caching: bool, window: int | None) -> None:
         """What the tier does not cover yet, refused by name (``EngineConfig`` calls this)."""
         for bad, why in [
-            (tensor_parallel_size > 1, "each rank holds a shard of every block; use -tp 1"),
             (not prefix_caching, "blocks are keyed by the prefix cache's hashes; drop "
              "--no-enable-prefix-caching"),
             (window is not None, "a sliding-window model frees blocks behind the window; use "
@@ -96,6 +95,22 @@ def payload_matches(payload: object, layout: dict[str, tuple[tuple[int, ...], st
         return False
     return all(tuple(payload[k].shape) == shape and str(payload[k].dtype) == dtype
                for k, (shape, dtype) in layout.items())
+
+
+def merge_ranks(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One block's payload (or layout) from each tensor-parallel rank's, as one: rank r's planes
+    under ``r<r>.``; with one rank, its own unchanged."""
+    if len(parts) == 1:
+        return parts[0]
+    return {f"r{r}.{k}": v for r, part in enumerate(parts) for k, v in part.items()}
+
+
+def rank_part(payload: dict[str, Any], rank: int, size: int) -> dict[str, Any]:
+    """Rank ``rank``'s planes of a ``merge_ranks`` payload of ``size`` ranks."""
+    if size == 1:
+        return payload
+    head = f"r{rank}."
+    return {k[len(head):]: v for k, v in payload.items() if k.startswith(head)}
 
 
 class KVTier(Protocol):

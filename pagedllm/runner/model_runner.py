@@ -23,6 +23,7 @@ from pagedllm import _hugepages, _malloc, _openmp, kernels
 from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import TPGroup, local_kv_model
+from pagedllm.kv.ext_tier import rank_part
 from pagedllm.layers.linear import Linear, pack_batch_invariant, pack_linears
 from pagedllm.layers.sampler import SamplingMetadata, logprob_stats, plain_greedy, sample
 from pagedllm.logging_utils import init_logger
@@ -261,7 +262,9 @@ class ModelRunner:
         kv.swap_out(u.swap_out)
         kv.copy_blocks(u.block_copies)
         kv.swap_in(u.swap_in)
-        kv.import_blocks(u.loads)
+        if u.loads:  # a tensor-parallel rank takes its heads of each block
+            r, n = (0, 1) if self.tp is None else (self.tp.rank, self.tp.size)
+            kv.import_blocks([(rank_part(p, r, n), b) for p, b in u.loads])
 
     def add_lora(self, req: LoRARequest) -> None:
         """Load and check an adapter into the host cache (``LoRAError`` if it cannot run)."""

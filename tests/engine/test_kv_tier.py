@@ -66,13 +66,31 @@ def test_engines_of_other_kv_layouts_never_share_blocks() -> None:
     assert b.llm_engine.kv_stats()["external_prefix_cache_hits"] == 0
 
 
-@pytest.mark.parametrize(("kwargs", "why"), [
-    ({"tensor_parallel_size": 2}, "each rank holds a shard"),
-    ({"enable_prefix_caching": False}, "prefix cache's hashes"),
-])
-def test_what_the_tier_does_not_cover_is_refused(kwargs: dict, why: str) -> None:
-    with pytest.raises(ValueError, match=why):
-        EngineArgs(kv_transfer_config=_tier(), **kwargs).create_engine_config()
+def test_what_the_tier_does_not_cover_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefix cache's hashes"):
+        EngineArgs(kv_transfer_config=_tier(), enable_prefix_caching=False).create_engine_config()
+
+
+@pytest.mark.slow  # two tensor-parallel engines of 2 ranks each: ~30 s on 2 cores
+def test_tensor_parallel_engines_share_blocks_rank_by_rank() -> None:
+    """Each rank's heads travel in one payload (``r<rank>.`` planes); a TP=2 engine loading
+    another's blocks gives the tokens of a TP=2 engine without the tier. A TP=1 engine has
+    other keys: it loads nothing of theirs."""
+    tp = dict(seed=0, tensor_parallel_size=2)
+    ref_llm = LLM(**tp)
+    ref = _run(ref_llm, PROMPTS)
+    ref_llm.llm_engine.shutdown()
+    name = f"test-tier-{next(_names)}"
+    a = LLM(**tp, kv_transfer_config=_tier(name=name))
+    _run(a, PROMPTS[:1])
+    a.llm_engine.shutdown()
+    b = LLM(**tp, kv_transfer_config=_tier(name=name))
+    _same(_run(b, PROMPTS), ref)
+    assert b.llm_engine.kv_stats()["external_prefix_cache_hits"] > 0
+    b.llm_engine.shutdown()
+    one = LLM(seed=0, kv_transfer_config=_tier(name=name))
+    _run(one, PROMPTS[:1])
+    assert one.llm_engine.kv_stats()["external_prefix_cache_hits"] == 0
 
 
 def test_a_bad_config_is_a_clear_error() -> None:
