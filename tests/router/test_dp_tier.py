@@ -110,3 +110,38 @@ def test_prefill_decode_split_decodes_without_computing_the_prompt() -> None:
     assert 0 < computed[1] <= last_partial, computed
     decode = stats["replicas"][1]
     assert decode["external_prefix_cache_hits"] > 0 and decode["kv_tier_blocks_stored"] >= 0
+
+
+@pytest.mark.slow  # a local Ray instance and two engine processes: ~20 s on 2 cores
+def test_prefill_decode_split_under_preemption() -> None:
+    """A decode replica of 17 blocks running two 121-token prompts at once must preempt one
+    as they grow; the preempted request loads its prompt from the tier again, and every
+    output is one engine's."""
+    ray = pytest.importorskip("ray")
+    prompts = tenant_workload(11, tenants=2, users=3, system_len=100, user_len=21)
+    want = reference([{"prompt_token_ids": p} for p in prompts], 24)
+    address = os.environ.pop("RAY_ADDRESS", None)
+
+    async def main() -> tuple[list, dict]:
+        tier = {"kv_connector": "ray", "kv_connector_extra_config": {"actor_name": "pd-small"}}
+        dp = DPClient(engine_args(kv_transfer_config=tier, num_kv_blocks=17, max_model_len=160), size=2,
+                      policy="round_robin", num_threads=1, prefill_replicas=1)
+        await dp.start()
+        try:
+            got = await run_workload(dp, prompts, 6, 24, "w")
+            return got, await dp.kv_stats()
+        finally:
+            await dp.shutdown()
+
+    try:
+        got, stats = asyncio.run(main())
+    finally:
+        ray.shutdown()
+        os.environ.pop("RAY_ADDRESS", None)
+        if address is not None:
+            os.environ["RAY_ADDRESS"] = address
+    decode = stats["replicas"][1]
+    print(f"\ndecode replica: {decode['num_preemptions']} preemptions, "
+          f"{decode['external_prefix_cache_hits']} prompt tokens loaded")
+    assert got == want
+    assert decode["num_preemptions"] > 0 and decode["external_prefix_cache_hits"] > 0
