@@ -15,7 +15,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.client import EngineClient, FrontEnd, ServerShuttingDown
 from pagedllm.engine.core_link import WATCH_S, ProcessLink
 from pagedllm.engine.core_proc import CoreOptions
-from pagedllm.engine.messages import ToCore
+from pagedllm.engine.messages import BURST_GAP_MS, ToCore
 from pagedllm.sched.stats import StepStats
 
 if TYPE_CHECKING:
@@ -50,14 +50,17 @@ class MPClient(EngineClient):
     """The engine core in its own process (``ProcessLink``)."""
 
     def __init__(self, engine_args: EngineArgs, config: EngineConfig | None = None,
-                 batch_wait_ms: float = 0.0, num_threads: int | None = None) -> None:
-        if batch_wait_ms < 0:
-            raise ValueError(f"batch_wait_ms={batch_wait_ms} must be >= 0")
+                 batch_wait_ms: float = 0.0, num_threads: int | None = None,
+                 burst_gap_ms: float = BURST_GAP_MS) -> None:
+        if batch_wait_ms < 0 or burst_gap_ms < 0:
+            raise ValueError(f"batch_wait_ms={batch_wait_ms} and burst_gap_ms={burst_gap_ms} "
+                             "must be >= 0")
         config = config or engine_args.create_engine_config()
         super().__init__(FrontEnd(config), StepStats())
         self.engine_args = engine_args
         self.batch_wait_ms = batch_wait_ms
-        self.link = ProcessLink(engine_args, CoreOptions(batch_wait_ms, num_threads))
+        self.link = ProcessLink(engine_args, CoreOptions(batch_wait_ms, num_threads,
+                                                           burst_gap_ms=burst_gap_ms))
         self._started = False
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False

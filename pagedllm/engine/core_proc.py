@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pagedllm._malloc import IdleRelease
 from pagedllm.engine.heap import freeze_startup_heap
 from pagedllm.engine.messages import (
+    BURST_GAP_MS,
     Abort,
     Accepted,
     CoreDead,
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 PARENT_CHECK_S = 1.0  # an idle core looks this often whether its front end still exists
+BURST_MAX_S = 0.05  # the longest a burst after an idle spell is gathered (BURST_GAP_MS)
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class CoreOptions:
     batch_wait_ms: float = 0.0
     num_threads: int | None = None
     kv_events: bool = False
+    burst_gap_ms: float = BURST_GAP_MS
     data_parallel_rank: int | None = None
 
 
@@ -200,13 +203,19 @@ class QueueTransport:
 
 
 class CoreLoop:
-    """The busy loop: drain inputs, let late arrivals join (``batch_wait_s``), step, send."""
+    """The busy loop: drain inputs, let late arrivals join, step, send. Late arrivals: after an
+    idle spell, those that follow each other within ``burst_gap_s`` (the first step of a burst
+    is then full, not one request while the rest queue behind a long prefill); with
+    ``batch_wait_s``, before any step that saw a new request, those of the next
+    ``batch_wait_s``."""
 
     def __init__(self, core: CoreService, transport: Transport, batch_wait_s: float = 0.0,
-                 alive: Callable[[], bool] = lambda: True) -> None:
+                 alive: Callable[[], bool] = lambda: True,
+                 burst_gap_s: float = BURST_GAP_MS / 1000.0) -> None:
         self.core = core
         self.transport = transport
         self.batch_wait_s = batch_wait_s
+        self.burst_gap_s = burst_gap_s
         self.alive = alive  # False once the front end is gone: the loop ends
         self.num_steps = 0
         # An idle spell gives back what the last burst freed (_malloc.IdleRelease: once, never
@@ -249,7 +258,9 @@ class CoreLoop:
             new |= self._apply(msg)
             msg = self.transport.recv(0)
         if new and self.batch_wait_s > 0:
-            return self._window()
+            return self._window(self.batch_wait_s, self.batch_wait_s)
+        if new and block and self.burst_gap_s > 0:  # the core was idle: a burst may be arriving
+            return self._window(BURST_MAX_S, self.burst_gap_s)
         return self.alive()
 
     def _idle_wait(self) -> float:
@@ -258,16 +269,17 @@ class CoreLoop:
         due = self.idle_release.wait_s
         return PARENT_CHECK_S if due is None else min(due, PARENT_CHECK_S)
 
-    def _window(self) -> bool:
-        """While the batch is small, give late arrivals up to ``batch_wait_s`` to join."""
-        deadline = time.monotonic() + self.batch_wait_s
+    def _window(self, span_s: float, gap_s: float) -> bool:
+        """While the batch is small, give late arrivals up to ``span_s`` to join, each at most
+        ``gap_s`` after the one before."""
+        deadline = time.monotonic() + span_s
         sched = self.core.core.scheduler
         limit = self.core.core.config.scheduler.max_num_seqs
         while sched.num_running + sched.num_waiting < limit:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            msg = self.transport.recv(left)
+            msg = self.transport.recv(min(left, gap_s))
             if msg is None:
                 break
             if isinstance(msg, Shutdown):
@@ -347,7 +359,8 @@ def serve_core(engine_args: EngineArgs, transport: Transport, options: CoreOptio
         freeze_startup_heap()
         transport.send(Ready(pid, engine.kv.num_blocks, engine.stats))
         service = CoreService(engine.core, options.kv_events, options.data_parallel_rank)
-        CoreLoop(service, transport, options.batch_wait_ms / 1000.0, alive=alive).run()
+        CoreLoop(service, transport, options.batch_wait_ms / 1000.0, alive=alive,
+                 burst_gap_s=options.burst_gap_ms / 1000.0).run()
     except BaseException as e:  # noqa: BLE001 - logged; the exit code tells the front end
         if engine is None:
             logger.exception("the engine core failed to start")

@@ -38,6 +38,7 @@ from pagedllm.engine.client_mp import FrontEndIdle, watch_link
 from pagedllm.engine.core_link import WATCH_S, CoreLink
 from pagedllm.engine.core_proc import CoreOptions
 from pagedllm.engine.messages import (
+    BURST_GAP_MS,
     Abort,
     CoreDead,
     EngineCoreOutputs,
@@ -70,7 +71,8 @@ class DPClient(ElasticReplicas, EngineClient):
     def __init__(self, engine_args: EngineArgs, config: EngineConfig | None = None, *,
                  size: int = 2, backend: str = "mp", policy: str = "cache_aware",
                  batch_wait_ms: float = 0.0, num_threads: int | None = None,
-                 imbalance_threshold: int = IMBALANCE_THRESHOLD, prefill_replicas: int = 0) -> None:
+                 imbalance_threshold: int = IMBALANCE_THRESHOLD, prefill_replicas: int = 0,
+                 burst_gap_ms: float = BURST_GAP_MS) -> None:
         if size < 1:
             raise ValueError(f"--data-parallel-size {size}: give 1 or more replicas")
         if backend not in BACKENDS:
@@ -86,7 +88,8 @@ class DPClient(ElasticReplicas, EngineClient):
         self.policy = make_policy(policy, imbalance_threshold)
         threads = num_threads or max(1, (os.cpu_count() or 1) // size)
         self._engine_args, self._backend = engine_args, backend
-        self._options = CoreOptions(batch_wait_ms, threads, kv_events=self.policy.uses_hashes)
+        self._options = CoreOptions(batch_wait_ms, threads, kv_events=self.policy.uses_hashes,
+                                    burst_gap_ms=burst_gap_ms)
         self.replicas = [Replica(i, self._link(i)) for i in range(size)]
         self._scaling = asyncio.Lock()
         self.num_retried = 0  # requests sent again after their replica died

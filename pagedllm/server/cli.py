@@ -122,9 +122,10 @@ def make_engine(srv: ServerArgs, engine_args: EngineArgs, config: EngineConfig) 
                              "--data-parallel-size")
         return LLMEngine.from_engine_args(engine_args)
     if dp == 1 and srv.data_parallel_backend == "mp" and not srv.prefill_replicas:
-        return MPClient(engine_args, config, srv.batch_wait_ms, srv.data_parallel_threads)
+        return MPClient(engine_args, config, srv.batch_wait_ms, srv.data_parallel_threads,
+                        burst_gap_ms=srv.burst_gap_ms)
     return DPClient(engine_args, config, size=dp, backend=srv.data_parallel_backend,
                     policy=srv.routing_policy, batch_wait_ms=srv.batch_wait_ms,
                     num_threads=srv.data_parallel_threads,
                     imbalance_threshold=srv.routing_imbalance_threshold,
-                    prefill_replicas=srv.prefill_replicas)
+                    prefill_replicas=srv.prefill_replicas, burst_gap_ms=srv.burst_gap_ms)
