@@ -74,7 +74,7 @@ class KVTransfer:
         self._export, self._fits, self._size = export, fits, size
         self._pending: list[tuple[int, int, list[int]]] = []  # (block, hash value, tokens) to put
         self._recent: OrderedDict[int, None] = OrderedDict()
-        self._head: tuple[str, int, ExternalHit] | None = None  # the last lookup (head of line)
+        self._head: tuple[str, int, ExternalHit | None] | None = None  # the last lookup
         self.stats = TransferStats()
 
     def key(self, value: int) -> int:
@@ -85,9 +85,10 @@ class KVTransfer:
     # -- loading (the scheduler, at admission) --------------------------------------------------
     def lookup(self, request_id: str, token_ids: Sequence[int], extra_keys: tuple | None,
                hit: PrefixHit) -> ExternalHit | None:
-        """The tier's verified blocks after ``hit`` (None if none). Kept for the request until
-        ``admitted`` (the head of the queue retries each step while the pool is full; only the
-        last request looked up is kept, so waiting requests hold no payloads)."""
+        """The tier's verified blocks after ``hit`` (None if none). The answer is kept for the
+        request until ``admitted`` or its local hit changes: the head of the queue retries each
+        step while the pool is full, and asks the tier once. Only the last request looked up is
+        kept, so waiting requests hold no payloads."""
         if not self.consumes or hit.num_skipped:
             return None
         if self._head is not None and self._head[:2] == (request_id, hit.num_tokens):
@@ -110,7 +111,7 @@ class KVTransfer:
                 break
             payloads.append(p)
         found = ExternalHit(first, payloads, bs) if payloads else None
-        self._head = (request_id, hit.num_tokens, found) if found is not None else None
+        self._head = (request_id, hit.num_tokens, found)
         return found
 
     def admitted(self, request_id: str, num_prompt_tokens: int, found: ExternalHit | None,

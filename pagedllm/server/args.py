@@ -49,7 +49,7 @@ class ServerArgs:
         0.0, "how long the engine loop may wait for more arrivals before a step", group=S)
     burst_gap_ms: float = setting(
         BURST_GAP_MS, "after an idle spell, requests arriving less than this apart join the "
-        "first step (at most 50 ms in all; 0: step at the first arrival)", group=S)
+        "first step (at most 50 ms in all; default 0: step at the first arrival)", group=S)
     engine_in_process: bool = setting(
         False, "run the engine core as a thread of the server process instead of in its own "
         "process (the model's steps then share the GIL with HTTP; for debugging)", group=S)
