@@ -4,6 +4,7 @@ heavy (the planner runs without torch)."""
 
 from __future__ import annotations
 
+import os
 import platform
 
 
@@ -27,3 +28,20 @@ def cpu_model() -> str:
 
 def cpu_flags() -> frozenset[str]:
     return frozenset(_cpuinfo().get("flags", "").split())
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's cpuset counts)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def serving_threads(replicas: int = 1) -> int | None:
+    """Torch threads for each of ``replicas`` engine cores behind a server: one core is left to
+    the API process (HTTP, detokenizing, streaming), as vLLM's CPU backend reserves one; None
+    (torch's default) when the user set ``OMP_NUM_THREADS``."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    return max(1, (usable_cores() - 1) // replicas)

@@ -75,8 +75,8 @@ def server_command(backend: str, s: ServerSettings, port: int,
         for var in (_openmp.SET_BY_PAGEDLLM, _hugepages.SET_BY_PAGEDLLM):
             if var:  # vLLM runs at the user's OpenMP and huge-page settings, not pagedllm's
                 env.pop(var, None)
-        threads = s.threads or len(os.sched_getaffinity(0))
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(threads))
+        if s.threads is not None:  # else vLLM's default: every core but one, bound
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(s.threads))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, -(-s.kv_cache_memory // 2**30))))
         cmd = [py, "-m", "vllm.entrypoints.openai.api_server", *common,
                "--uvicorn-log-level", "warning", *s.vllm_extra]

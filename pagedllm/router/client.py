@@ -19,11 +19,11 @@ serving, ``add_replica`` starts one more and ``remove_replica`` drains one and s
 from __future__ import annotations
 
 import asyncio
-import os
 from dataclasses import replace
 from functools import partial
 from typing import Any
 
+from pagedllm._cpu import serving_threads, usable_cores
 from pagedllm.args import EngineArgs
 from pagedllm.config import EngineConfig
 from pagedllm.engine.client import (
@@ -86,7 +86,7 @@ class DPClient(ElasticReplicas, EngineClient):
         self.pd = PrefillDecode(prefill_replicas, size) if prefill_replicas else None
         super().__init__(FrontEnd(config), StepStats())
         self.policy = make_policy(policy, imbalance_threshold)
-        threads = num_threads or max(1, (os.cpu_count() or 1) // size)
+        threads = num_threads or serving_threads(size) or max(1, usable_cores() // size)
         self._engine_args, self._backend = engine_args, backend
         self._options = CoreOptions(batch_wait_ms, threads, kv_events=self.policy.uses_hashes,
                                     burst_gap_ms=burst_gap_ms)

@@ -126,8 +126,9 @@ class ServerArgs:
         "put in the --kv-transfer-config tier), the others load it and decode (0: every replica "
         "does both)", group=DP, metavar="K")
     data_parallel_threads: int | None = setting(
-        None, "torch threads per replica (default: this machine's cores / "
-        "--data-parallel-size; with ray also the CPUs each actor reserves)", group=DP)
+        None, "torch threads per engine core (default: this machine's cores less one, left to "
+        "the API process as vLLM leaves one, / --data-parallel-size, at least 1; with "
+        "OMP_NUM_THREADS set, that; with ray also the CPUs each actor reserves)", group=DP)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm import envs
+from pagedllm._cpu import serving_threads
 from pagedllm.args import EngineArgs
 from pagedllm.config import EngineConfig
 from pagedllm.flags import apply_config_file
@@ -122,7 +123,8 @@ def make_engine(srv: ServerArgs, engine_args: EngineArgs, config: EngineConfig) 
                              "--data-parallel-size")
         return LLMEngine.from_engine_args(engine_args)
     if dp == 1 and srv.data_parallel_backend == "mp" and not srv.prefill_replicas:
-        return MPClient(engine_args, config, srv.batch_wait_ms, srv.data_parallel_threads,
+        return MPClient(engine_args, config, srv.batch_wait_ms,
+                        srv.data_parallel_threads or serving_threads(),
                         burst_gap_ms=srv.burst_gap_ms)
     return DPClient(engine_args, config, size=dp, backend=srv.data_parallel_backend,
                     policy=srv.routing_policy, batch_wait_ms=srv.batch_wait_ms,

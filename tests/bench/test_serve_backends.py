@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -34,6 +35,9 @@ def test_both_servers_get_the_same_settings(tmp_path: Path) -> None:
         assert venv["VLLM_CPU_KVCACHE_SPACE"] == "4"  # whole GiB, rounded up
     if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         assert venv["VLLM_CPU_OMP_THREADS_BIND"].count(",") + 1 >= 1
+        # without --threads each engine runs at its own default (vLLM's: every core but one)
+        _, venv = server_command("vllm", dataclasses.replace(s, threads=None), 9003, str(fake))
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in venv
 
 
 def test_unknown_backend_and_missing_vllm_are_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
