@@ -11,12 +11,12 @@ What is assumed (and so what the figure carries):
   through the engine's own scheduler and KV manager with the same settings (a pool of the same
   size each), advanced step by step to each arrival. Without a profile every request arrives at
   once (the clock counts steps), so routing sees only what is pending.
-- **Threads**: the server gives each replica ``cores // N`` threads (``cores``: the profile's
-  machine). When the profile's threads ``T`` fit in that share, every replica runs at the
+- **Threads**: the server gives each replica ``(cores - 1) // N`` threads, at least 1
+  (``cores``: the profile's machine). When the profile's threads ``T`` fit in that share, every replica runs at the
   profile's step costs on cores of its own (memory bandwidth shared between them is not
-  modelled). When ``T`` exceeds it, each step is taken to cost ``T / (cores // N)`` times the
+  modelled). When ``T`` exceeds it, each step is taken to cost ``T / ((cores - 1) // N)`` times the
   profile's, as if a step's time were inverse to its threads: a pessimistic bound for a small
-  model, which gains less than that from threads; calibrate with ``--threads cores/N`` for an
+  model, which gains less than that from threads; calibrate with ``--threads (cores-1)/N`` for an
   exact profile.
 - The router's messages take no time: a replica's events are heard at the end of its step.
 - The aggregate throughput is all replicas' output tokens over the slowest replica's elapsed
@@ -60,7 +60,7 @@ class SlowedCost:
 def thread_share(profile: Profile | None, n: int, cores: int | None = None) -> dict[str, Any]:
     """Threads per replica, the profile's threads, and the step-cost factor (module docstring)."""
     cores = cores or int((profile.made_on.get("cpu_count") if profile else None) or 1)
-    per = max(1, cores // n)
+    per = max(1, (cores - 1) // n)  # the server leaves one core to its API process
     t = int(profile.made_on.get("torch_threads") or per) if profile else per
     return {"cores": cores, "threads_per_replica": per, "profile_threads": t,
             "step_cost_factor": max(1.0, t / per)}

@@ -40,7 +40,7 @@ def test_two_replicas_each_run_half_the_steps() -> None:
     assert p["replicas"]["num_requests"] == [4, 4] and p["threads_per_replica"] == 1
     shared = plan_replicas(reqs, _config(), _profile(2, 2), 2)
     assert shared["step_cost_factor"] == 2.0 and shared["throughput_ratio"] == 1.0
-    assert thread_share(_profile(2, 16), 4) == {"cores": 16, "threads_per_replica": 4,
+    assert thread_share(_profile(2, 16), 4) == {"cores": 16, "threads_per_replica": 3,
                                                  "profile_threads": 2, "step_cost_factor": 1.0}
 
 
