@@ -14,8 +14,8 @@ from pagedllm._malloc import IdleRelease
 from pagedllm.config import EngineConfig
 from pagedllm.engine.client import EngineClient, FrontEnd, ServerShuttingDown
 from pagedllm.engine.core_link import WATCH_S, ProcessLink
-from pagedllm.engine.core_proc import CoreOptions
-from pagedllm.engine.messages import BURST_GAP_MS, ToCore
+from pagedllm.engine.core_proc import BURST_GAP_MS, CoreOptions
+from pagedllm.engine.messages import ToCore
 from pagedllm.sched.stats import StepStats
 
 if TYPE_CHECKING:

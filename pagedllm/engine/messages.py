@@ -33,11 +33,6 @@ from pagedllm.kv.events import KVEventBatch
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched.stats import StepStats
 
-# After an idle spell, requests arriving less than this apart join the core's first step (the
-# engine-core loop, ``core_proc.CoreLoop``; the server's ``--burst-gap-ms``). Off by default: a
-# 2 ms gap cost 6 % of output tok/s at 128 at once (docs/performance/serving.md)
-BURST_GAP_MS = 0.0
-
 
 class EngineCoreRequest(msgspec.Struct, tag=True, kw_only=True):
     """A tokenized request. ``lora_id``: the name of a LoRA adapter the core serves (registered

@@ -36,9 +36,8 @@ from pagedllm.engine.client import (
 )
 from pagedllm.engine.client_mp import FrontEndIdle, watch_link
 from pagedllm.engine.core_link import WATCH_S, CoreLink
-from pagedllm.engine.core_proc import CoreOptions
+from pagedllm.engine.core_proc import BURST_GAP_MS, CoreOptions
 from pagedllm.engine.messages import (
-    BURST_GAP_MS,
     Abort,
     CoreDead,
     EngineCoreOutputs,

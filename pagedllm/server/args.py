@@ -13,7 +13,6 @@ from typing import Any
 
 from pagedllm import envs
 from pagedllm.choices import TOOL_CALL_PARSERS
-from pagedllm.engine.messages import BURST_GAP_MS
 from pagedllm.flags import add_flags, from_namespace, setting
 from pagedllm.router.policy import IMBALANCE_THRESHOLD, ROUTING_POLICIES
 
@@ -48,7 +47,7 @@ class ServerArgs:
     batch_wait_ms: float = setting(
         0.0, "how long the engine loop may wait for more arrivals before a step", group=S)
     burst_gap_ms: float = setting(
-        BURST_GAP_MS, "after an idle spell, requests arriving less than this apart join the "
+        0.0, "after an idle spell, requests arriving less than this apart join the "
         "first step (at most 50 ms in all; default 0: step at the first arrival)", group=S)
     engine_in_process: bool = setting(
         False, "run the engine core as a thread of the server process instead of in its own "
