@@ -5,7 +5,8 @@ tier, so the pair computes what one engine computes; greedy outputs are one engi
 from __future__ import annotations
 
 import asyncio
-import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from dp_helpers import (
@@ -23,11 +24,20 @@ from pagedllm.router.client import DPClient
 TENANTS = dict(tenants=4, users=6, system_len=160, user_len=24)
 
 
-@pytest.mark.slow  # a local Ray instance and two engine processes: ~40 s on 2 cores
-def test_round_robin_with_the_tier_computes_what_one_engine_computes() -> None:
+@pytest.fixture
+def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Ray, with no RAY_ADDRESS: the DPClient starts a local cluster and names it there for its
+    replica processes; afterwards Ray is shut down and RAY_ADDRESS is as it was."""
     ray = pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_ADDRESS", "")  # recorded, so teardown restores the original
+    monkeypatch.delenv("RAY_ADDRESS")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.slow  # a local Ray instance and two engine processes: ~40 s on 2 cores
+def test_round_robin_with_the_tier_computes_what_one_engine_computes(ray_cluster: Any) -> None:
     want = reference(PROMPTS, 12)
-    address = os.environ.pop("RAY_ADDRESS", None)  # DPClient names the cluster it starts here
 
     async def computed(tier: bool, token_seed: int) -> tuple[int, dict]:
         extra = {"kv_transfer_config": {"kv_connector": "ray", "kv_connector_extra_config":
@@ -47,14 +57,8 @@ def test_round_robin_with_the_tier_computes_what_one_engine_computes() -> None:
         finally:
             await dp.shutdown()
 
-    try:
-        plain, _ = asyncio.run(computed(False, 1))
-        with_tier, stats = asyncio.run(computed(True, 2))
-    finally:
-        ray.shutdown()
-        os.environ.pop("RAY_ADDRESS", None)
-        if address is not None:
-            os.environ["RAY_ADDRESS"] = address
+    plain, _ = asyncio.run(computed(False, 1))
+    with_tier, stats = asyncio.run(computed(True, 2))
     t = TENANTS
     one_engine = t["tenants"] * t["system_len"] + t["tenants"] * t["users"] * t["user_len"]
     print(f"\ncomputed prefill tokens, round_robin over 2 replicas: {plain} without the tier, "
@@ -65,15 +69,13 @@ def test_round_robin_with_the_tier_computes_what_one_engine_computes() -> None:
 
 
 @pytest.mark.slow  # a local Ray instance and two engine processes: ~30 s on 2 cores
-def test_prefill_decode_split_decodes_without_computing_the_prompt() -> None:
+def test_prefill_decode_split_decodes_without_computing_the_prompt(ray_cluster: Any) -> None:
     """``--prefill-replicas 1`` of 2: replica 0 prefills, replica 1 loads the prompt's full
     blocks from the tier and computes only each prompt's last partial block; with the prefill
     replica killed, the decode replica serves whole requests."""
-    ray = pytest.importorskip("ray")
     want = reference(PROMPTS, 12)
     prompts = tenant_workload(7, tenants=2, users=3, system_len=100, user_len=21)
     want_tok = reference([{"prompt_token_ids": p} for p in prompts], 4)
-    address = os.environ.pop("RAY_ADDRESS", None)
 
     async def main() -> tuple[list, list, list[int], dict]:
         tier = {"kv_connector": "ray", "kv_connector_extra_config": {"actor_name": "pd-tier"}}
@@ -96,13 +98,7 @@ def test_prefill_decode_split_decodes_without_computing_the_prompt() -> None:
         finally:
             await dp.shutdown()
 
-    try:
-        got, toks, computed, stats = asyncio.run(main())
-    finally:
-        ray.shutdown()
-        os.environ.pop("RAY_ADDRESS", None)
-        if address is not None:
-            os.environ["RAY_ADDRESS"] = address
+    got, toks, computed, stats = asyncio.run(main())
     assert got == want and toks == want_tok
     last_partial = sum(len(p) - 16 * ((len(p) - 1) // 16) for p in prompts)
     print(f"\nprefill/decode: prefill replica computed {computed[0]}, decode replica "
@@ -113,14 +109,12 @@ def test_prefill_decode_split_decodes_without_computing_the_prompt() -> None:
 
 
 @pytest.mark.slow  # a local Ray instance and two engine processes: ~20 s on 2 cores
-def test_prefill_decode_split_under_preemption() -> None:
+def test_prefill_decode_split_under_preemption(ray_cluster: Any) -> None:
     """A decode replica of 17 blocks running two 121-token prompts at once must preempt one
     as they grow; the preempted request loads its prompt from the tier again, and every
     output is one engine's."""
-    ray = pytest.importorskip("ray")
     prompts = tenant_workload(11, tenants=2, users=3, system_len=100, user_len=21)
     want = reference([{"prompt_token_ids": p} for p in prompts], 24)
-    address = os.environ.pop("RAY_ADDRESS", None)
 
     async def main() -> tuple[list, dict]:
         tier = {"kv_connector": "ray", "kv_connector_extra_config": {"actor_name": "pd-small"}}
@@ -133,13 +127,7 @@ def test_prefill_decode_split_under_preemption() -> None:
         finally:
             await dp.shutdown()
 
-    try:
-        got, stats = asyncio.run(main())
-    finally:
-        ray.shutdown()
-        os.environ.pop("RAY_ADDRESS", None)
-        if address is not None:
-            os.environ["RAY_ADDRESS"] = address
+    got, stats = asyncio.run(main())
     decode = stats["replicas"][1]
     print(f"\ndecode replica: {decode['num_preemptions']} preemptions, "
           f"{decode['external_prefix_cache_hits']} prompt tokens loaded")
