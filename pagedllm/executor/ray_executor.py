@@ -16,7 +16,6 @@ called), else starts a local Ray instance. A worker whose actor dies is seen as 
 
 from __future__ import annotations
 
-import os
 import pickle
 import queue
 import secrets
@@ -26,6 +25,7 @@ from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.ray_init import join_ray
 from pagedllm.distributed.worker import worker_main
 from pagedllm.executor.multiproc import STARTUP_TIMEOUT_S, MultiprocExecutor, Worker
 
@@ -75,9 +75,7 @@ class RayExecutor(MultiprocExecutor):
     def _driver_host(self) -> str:
         import ray
 
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
-                     log_to_driver=True)
+        join_ray(log_to_driver=True)
         return str(ray.util.get_node_ip_address())
 
     def _start_workers(self, config: EngineConfig, store_addr: tuple[str, int],

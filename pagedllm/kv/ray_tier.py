@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from pagedllm.distributed.ray_init import join_ray
 from pagedllm.kv.ext_tier import KVTransferConfig, LRUBlockStore, Payload
 
 TIMEOUT_S = 10.0
@@ -38,9 +39,7 @@ class RayTier:
     def __init__(self, name: str, budget_bytes: int, namespace: str = "pagedllm") -> None:
         import ray
 
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True,
-                     include_dashboard=False)
+        join_ray()
         actor_cls: Any = ray.remote(num_cpus=0)(_TierActor)
         self._ray = ray
         self._puts: list[Any] = []  # refs of the puts not synced yet
@@ -71,6 +70,5 @@ def share_ray_cluster(config: KVTransferConfig) -> None:
         return
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+    join_ray()
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address

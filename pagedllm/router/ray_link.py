@@ -28,6 +28,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.distributed.ray_init import join_ray
 from pagedllm.engine.client import EngineUnavailable
 from pagedllm.engine.core_link import Deliver
 from pagedllm.engine.core_proc import CoreOptions, QueueTransport, serve_core
@@ -125,9 +126,7 @@ class RayLink:
     async def start(self, deliver: Deliver) -> Ready:
         import ray
 
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
-                     log_to_driver=True)
+        join_ray(log_to_driver=True)
         cls = ray.remote(num_cpus=self.options.num_threads or 1,  # type: ignore[call-overload]
                          num_gpus=self.num_gpus, max_concurrency=4)(RayCoreActor)
         self.actor = cls.remote(self.engine_args, self.options)  # type: ignore[attr-defined]
