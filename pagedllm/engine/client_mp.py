@@ -51,7 +51,7 @@ class MPClient(EngineClient):
 
     def __init__(self, engine_args: EngineArgs, config: EngineConfig | None = None,
                  batch_wait_ms: float = 0.0, num_threads: int | None = None,
-                 burst_gap_ms: float = BURST_GAP_MS) -> None:
+                 burst_gap_ms: float = BURST_GAP_MS, prefill_threads: int | None = None) -> None:
         if batch_wait_ms < 0 or burst_gap_ms < 0:
             raise ValueError(f"batch_wait_ms={batch_wait_ms} and burst_gap_ms={burst_gap_ms} "
                              "must be >= 0")
@@ -60,7 +60,8 @@ class MPClient(EngineClient):
         self.engine_args = engine_args
         self.batch_wait_ms = batch_wait_ms
         self.link = ProcessLink(engine_args, CoreOptions(batch_wait_ms, num_threads,
-                                                           burst_gap_ms=burst_gap_ms))
+                                                           burst_gap_ms=burst_gap_ms,
+                                                           prefill_threads=prefill_threads))
         self._started = False
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False

@@ -52,6 +52,7 @@ from pagedllm.engine.messages import (
     UtilityResult,
 )
 from pagedllm.engine.snapshot import kv_snapshot
+from pagedllm.engine.step_threads import StepThreads
 from pagedllm.kv.events import KVEventBatch
 from pagedllm.logging_utils import init_logger
 
@@ -80,6 +81,7 @@ class CoreOptions:
     batch_wait_ms: float = 0.0
     num_threads: int | None = None
     kv_events: bool = False
+    prefill_threads: int | None = None  # threads for steps of many tokens (``StepThreads``)
     burst_gap_ms: float = BURST_GAP_MS
     data_parallel_rank: int | None = None
 
@@ -352,15 +354,20 @@ def serve_core(engine_args: EngineArgs, transport: Transport, options: CoreOptio
     from pagedllm.engine.core import LLMEngine
     from pagedllm.engine.messages import Ready
 
+    threads = None
     if options.num_threads is not None:
         import torch
 
         torch.set_num_threads(options.num_threads)
+        if options.prefill_threads not in (None, options.num_threads):
+            threads = StepThreads(options.num_threads, options.prefill_threads)
     engine = None
     try:
         engine = LLMEngine.from_engine_args(engine_args)
         freeze_startup_heap()
         transport.send(Ready(pid, engine.kv.num_blocks, engine.stats))
+        if threads is not None and engine.config.parallel.tensor_parallel_size == 1:
+            engine.core.on_schedule = threads.apply
         service = CoreService(engine.core, options.kv_events, options.data_parallel_rank)
         CoreLoop(service, transport, options.batch_wait_ms / 1000.0, alive=alive,
                  burst_gap_s=options.burst_gap_ms / 1000.0).run()

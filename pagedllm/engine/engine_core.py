@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -101,6 +102,8 @@ class EngineCore:
         self._group_of: dict[str, str] = {}  # sequence id -> request id
         self._ended: list[Request] = []  # sequences ended this step outside ``update``
         self.stats = self.current_stats()  # the last step's record (StepStats)
+        # called with each step's schedule before it runs (the served core's StepThreads)
+        self.on_schedule: Callable[[SchedulerOutput], None] | None = None
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest, lora_request: LoRARequest | None = None) -> None:
@@ -230,6 +233,8 @@ class EngineCore:
         proposals = None if self.spec is None else self.spec.propose(  # speculative decoding
             self.scheduler.running, self.owns, self.scheduler.num_steps + 1)
         sched = self.scheduler.schedule(proposals)
+        if self.on_schedule is not None:
+            self.on_schedule(sched)
         stats = StepStats.open(self.scheduler, sched)
         # the executor's message; the grammar masks are computed while the model runs
         model_input = ModelInput.build(sched, self.structured.masks(sched))

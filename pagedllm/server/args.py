@@ -124,6 +124,10 @@ class ServerArgs:
         0, "prefill/decode split: the first K replicas only prefill (a request's prompt, its KV "
         "put in the --kv-transfer-config tier), the others load it and decode (0: every replica "
         "does both)", group=DP, metavar="K")
+    prefill_threads: int | None = setting(
+        None, "torch threads of the engine core for steps of more than 256 tokens (prefill), "
+        "e.g. every core while decode steps leave one to the API process (default: the same "
+        "as the other steps; one engine core only)", group=DP)
     data_parallel_threads: int | None = setting(
         None, "torch threads per engine core (default: this machine's cores less one, left to "
         "the API process as vLLM leaves one, / --data-parallel-size, at least 1; with "

@@ -125,7 +125,7 @@ def make_engine(srv: ServerArgs, engine_args: EngineArgs, config: EngineConfig) 
     if dp == 1 and srv.data_parallel_backend == "mp" and not srv.prefill_replicas:
         return MPClient(engine_args, config, srv.batch_wait_ms,
                         srv.data_parallel_threads or serving_threads(),
-                        burst_gap_ms=srv.burst_gap_ms)
+                        burst_gap_ms=srv.burst_gap_ms, prefill_threads=srv.prefill_threads)
     return DPClient(engine_args, config, size=dp, backend=srv.data_parallel_backend,
                     policy=srv.routing_policy, batch_wait_ms=srv.batch_wait_ms,
                     num_threads=srv.data_parallel_threads,

@@ -81,3 +81,16 @@ def test_no_gap_steps_at_the_first_arrival() -> None:
     core, script = _run([_req("a"), None, _req("b"), *[None] * 4], 0.0)
     assert core.steps[0] == ["a"] and core.steps[1] == ["a", "b"]
     assert 0 < BURST_MAX_S <= 0.05
+
+
+def test_step_threads_give_big_steps_every_core() -> None:
+    from pagedllm.engine.step_threads import StepThreads
+
+    calls: list[int] = []
+    t = StepThreads(1, 2, threshold=256, set_threads=calls.append)
+    step = SimpleNamespace(num_batched_tokens=2048)
+    t.apply(step)  # type: ignore[arg-type]
+    t.apply(step)  # type: ignore[arg-type]
+    step.num_batched_tokens = 64
+    t.apply(step)  # type: ignore[arg-type]
+    assert calls == [2, 1]  # set only when it changes
