@@ -118,6 +118,9 @@ class KVTier(Protocol):
 
     def get(self, block_hashes: list[int], token_ids: list[list[int]]) -> list[Payload]: ...
 
+    def sync(self) -> None:
+        """Return once every put is visible to every reader."""
+
 
 class LRUBlockStore:
     """Entries keyed by chained hash, with a byte budget; least recently used go first.
@@ -150,6 +153,9 @@ class LRUBlockStore:
             _, (_, _, old) = self._entries.popitem(last=False)
             self.used_bytes -= old
             self.stats["evicted"] += 1
+
+    def sync(self) -> None:
+        """Puts are stored at once: nothing to wait for."""
 
     def get(self, block_hashes: list[int], token_ids: list[list[int]]) -> list[Payload]:
         """Payloads for the longest prefix of ``block_hashes`` present with matching tokens."""
@@ -186,13 +192,11 @@ class SafeTier:
             self._failed("put", e)
 
     def sync(self) -> None:
-        """Wait until what was put is visible to every reader (a tier that stores at once: no-op)."""
-        sync = getattr(self.tier, "sync", None)
-        if sync is not None:
-            try:
-                sync()
-            except Exception as e:  # noqa: BLE001
-                self._failed("put", e)
+        """Wait until what was put is visible to every reader."""
+        try:
+            self.tier.sync()
+        except Exception as e:  # noqa: BLE001
+            self._failed("put", e)
 
     def get(self, block_hashes: list[int], token_ids: list[list[int]]) -> list[Payload]:
         try:

@@ -157,9 +157,7 @@ class KVTransfer:
             self.stats.bytes_stored += self._size(p)
         while len(self._recent) > RECENT_PUTS:
             self._recent.popitem(last=False)
-        sync = getattr(self.tier, "sync", None)  # visible to the other replicas from now on
-        if sync is not None:
-            sync()
+        self.tier.sync()  # visible to the other replicas from now on
 
     def forget(self) -> None:
         """Drop what is pending (the engine's KV was reset or reshaped under it)."""

@@ -26,11 +26,10 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 R = TypeVar("R")
 
 
-def prefill_params(p: SamplingParams) -> SamplingParams:
-    """The prefill pass of a request with ``p``: one greedy token, nothing else asked."""
+def prefill_params() -> SamplingParams:
+    """A prefill pass's: one greedy token, nothing else asked (its output is never streamed)."""
     return SamplingParams(n=1, temperature=0.0, max_tokens=1, ignore_eos=True,
-                          output_kind=RequestOutputKind.FINAL_ONLY,
-                          skip_special_tokens=p.skip_special_tokens)
+                          output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 class PrefillDecode:
@@ -55,7 +54,7 @@ class PrefillDecode:
         if decode or not pre:
             return req, dec or list(live)
         self.prefilling[req.request_id] = req
-        return msgspec.structs.replace(req, sampling_params=prefill_params(req.sampling_params)), pre
+        return msgspec.structs.replace(req, sampling_params=prefill_params()), pre
 
     def prefilled(self, msg: EngineCoreOutputs) -> list[EngineCoreRequest]:
         """Take the prefill passes' outputs out of ``msg`` (from a prefill replica): the requests
