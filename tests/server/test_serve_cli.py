@@ -56,18 +56,20 @@ def test_serve_subprocess_end_to_end(chat_model: Path, tmp_path: Path) -> None:
         assert r.choices[0].finish_reason == "length" and len(r.choices[0].text.split()) == 4
         assert httpx.post(base + "/v1/completions", json={"prompt": "t5"}).status_code == 401
         # SIGTERM drains: the in-flight stream still finishes; what --drain-timeout (1 s) cannot
-        # finish (12 requests of 480 tokens queued behind it, one at a time) ends cleanly: a 503
-        # JSON body, or an error event and [DONE] on a stream; then the server exits 0.
+        # finish (48 requests of 480 tokens queued behind it, one at a time: more than any machine
+        # decodes in the drain, and both kinds are among those cut) ends cleanly: a 503 JSON body,
+        # or an error event and [DONE] on a stream; then the server exits 0.
         headers = {"Authorization": "Bearer sk-cli"}
         body = {"prompt": "t5 t6", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
         long = {"prompt": "t7 t8", "max_tokens": 480, "ignore_eos": True}
-        with ThreadPoolExecutor(12) as pool, \
+        n = 48
+        with ThreadPoolExecutor(n) as pool, \
                 httpx.stream("POST", base + "/v1/completions", json=body, headers=headers, timeout=30) as s:
             lines = s.iter_lines()
             assert next(lines).startswith("data: {")
-            futures = [pool.submit(_drained, base, headers, {**long, "stream": i % 2 == 1}) for i in range(12)]
+            futures = [pool.submit(_drained, base, headers, {**long, "stream": i % 2 == 1}) for i in range(n)]
             deadline = time.monotonic() + 90  # 30 s was once too short at load average 9
-            while _in_flight(base) < 12:  # all 12 are in (queued behind the stream)
+            while _arrived(base) < n + 2:  # all n are in (with the 4-token request and the stream)
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
@@ -98,10 +100,12 @@ def test_serve_engine_in_process(chat_model: Path) -> None:
     assert r.json()["choices"][0]["text"] == expected
 
 
-def _in_flight(base: str) -> float:
+def _arrived(base: str) -> float:
+    """Requests the engine has seen: running, waiting, or finished."""
     text = httpx.get(base + "/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(("pagedllm:num_requests_running", "pagedllm:num_requests_waiting")))
+               if line.startswith(("pagedllm:num_requests_running", "pagedllm:num_requests_waiting",
+                                   "pagedllm:request_success_total")))
 
 
 def _drained(base: str, headers: dict[str, str], body: dict) -> str:
