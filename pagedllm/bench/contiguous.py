@@ -25,6 +25,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.kv.manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sched import ScheduledRequest, Scheduler, SchedulerOutput
+from pagedllm.sched.admission import check_fits
 
 
 class ContiguousScheduler(Scheduler):
@@ -47,7 +48,7 @@ class ContiguousScheduler(Scheduler):
             raise ValueError("the contiguous baseline runs one sequence per request (n=1)")
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
-        self.check_fits(req.num_prompt_tokens)
+        check_fits(self.config, self.kv, req.num_prompt_tokens)
         if self.blocks_per_request > self.kv.num_blocks:
             raise ValueError(
                 f"the contiguous baseline reserves {self.blocks_per_request} blocks per request "

@@ -76,6 +76,10 @@ def kv_stats(s: StepStats, config: EngineConfig, sliding_window: int | None) -> 
         "free_blocks": s.kv.free,
         "shared_blocks": s.kv.shared,
         "pinned_blocks": s.kv.pinned,
+        "lora_blocks": s.kv.lora,  # pages of resident LoRA adapters (their weights)
+        "lora_resident_adapters": s.kv.lora_resident,
+        "lora_page_ins": s.kv.lora_page_ins,
+        "lora_page_outs": s.kv.lora_page_outs,
         "max_blocks_per_request": s.max_blocks_per_request,
         "sliding_window": sliding_window,  # None: every block is kept
         "window_freed_blocks": s.window_freed_blocks,

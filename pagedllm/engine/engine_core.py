@@ -42,6 +42,7 @@ from pagedllm.request import Request, RequestStatus
 from pagedllm.runner.model_input import ModelInput
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.sched import Scheduler, SchedulerOutput
+from pagedllm.sched.admission import check_fits
 from pagedllm.sched.build import build_scheduler
 from pagedllm.sched.memory import KVMemoryPolicy
 from pagedllm.sched.stats import StepStats
@@ -120,7 +121,7 @@ class EngineCore:
         if (req.keep_kv_s is not None or req.fork_of is not None) and params.n != 1:
             raise ValueError("keep_kv_s and fork_of need n=1")
         ids = self.input.tokenize(ids)[1]  # checked against the vocabulary
-        self.scheduler.check_fits(len(ids))
+        check_fits(self.scheduler.config, self.kv, len(ids))  # a prompt never served fails now
         self.input.check_params(params, len(ids))
         self.input.check_logprobs(params)
         self.structured.check(params)
@@ -148,7 +149,8 @@ class EngineCore:
         if self.config.lora is None:
             raise ValueError(f"lora_request {lora_request.lora_name!r} needs an engine started "
                              "with enable_lora=True (--enable-lora)")
-        self.executor.collective_rpc(ModelRunner.add_lora, lora_request)
+        pages = self.executor.collective_rpc(ModelRunner.add_lora, lora_request)
+        self.kv.adapters.register(lora_request.lora_int_id, max(pages))  # kv/adapters.py
 
     def register_lora(self, name: str, lora_int_id: int, path: str) -> None:
         """Load and check adapter ``name`` (``add_lora``) and serve it by name: a request with

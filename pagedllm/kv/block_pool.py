@@ -252,9 +252,10 @@ class BlockPool:
             block.num_hits = 0
             self.num_cached_free_blocks -= 1
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash. Refused (False) while any block is referenced."""
-        if len(self.free_queue) != self.num_blocks:
+    def reset_prefix_cache(self, num_unhashed_held: int = 0) -> bool:
+        """Forget every cached hash. Refused (False) while any block is referenced, but for
+        ``num_unhashed_held`` blocks the caller holds outside any table (LoRA adapters' pages)."""
+        if len(self.free_queue) + num_unhashed_held != self.num_blocks:
             return False
         for block in self.cached.values():
             block.block_hash = None

@@ -5,13 +5,12 @@ registered in the pool's index. ``find_prefix`` walks a new prompt's hash chain 
 the hit blocks become the head of the new request's table, shared by reference count (the hashes
 and the walk: kv/prefix.py).
 
-Sliding window (kv/window.py): blocks wholly behind every later query's window are freed as the
-request advances (``free_outside_window``).
-
 The manager holds its parts: the ``RequestTables`` (blocks held and hashes per request,
 kv/tables.py), the ``BlockPool`` (blocks, free queue, hash index, pool size), a ``CopyOnWrite``
 (shared partial blocks and pending copies, kv/sharing.py), a ``HostTier`` (swap plans,
-kv/host_tier.py) and a ``SlidingWindow`` (kv/window.py). What each public mutating call did is
+kv/host_tier.py), a ``SlidingWindow`` (kv/window.py: blocks wholly behind every later query's
+window are freed as the request advances) and ``AdapterPages`` (LoRA adapters' pages in the same
+pool, kv/adapters.py). What each public mutating call did is
 published on ``events`` (kv/events.py), the one way to observe it (the trace, the ZMQ publisher,
 the inspector subscribe); no event is built unless somebody listens (``if self.events.ops``).
 """
@@ -21,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedllm.kv import events as ev
+from pagedllm.kv.adapters import AdapterPages
 from pagedllm.kv.block_pool import BlockHash, BlockPool, KVBlock
 from pagedllm.kv.host_tier import HostTier
 from pagedllm.kv.prefix import (
@@ -62,6 +62,7 @@ class KVCacheManager:
         self.window = None if sliding_window is None else SlidingWindow(sliding_window, block_size)
         self.stats = PrefixCacheStats()
         self.tables = RequestTables()  # blocks held, window offsets, hashes: per request
+        self.adapters = AdapterPages(self.pool)  # LoRA adapters' pages (kv/adapters.py)
         self._pins: list[str] = []  # pseudo-requests holding pinned (preheated) prefix blocks
         self.num_window_freed = 0  # blocks freed behind the sliding window, in all
         self._max_blocks = num_blocks
@@ -267,7 +268,8 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; refused (False) while any request holds blocks."""
-        ok = not any(self.tables.held.values()) and self.pool.reset_prefix_cache()
+        ok = not any(self.tables.held.values()) and self.pool.reset_prefix_cache(
+            self.adapters.num_blocks)  # adapters' pages: held, never hashed
         if self.events.ops:
             self.events.publish(ev.PrefixCacheReset(ok))
         return ok
@@ -373,12 +375,12 @@ class KVCacheManager:
         return self.pool.fragmentation()
 
     def compact(self) -> list[tuple[int, int]]:
-        """Move referenced blocks to the lowest ids (``BlockPool.compact``); tables follow.
+        """Move live blocks to the lowest ids (``BlockPool.compact``); tables and adapters follow.
         Returns the (src, dst) moves to apply. Between steps only (no copy-on-write pending)."""
         assert not self.cow.pending, "compact() between steps only (copy-on-write copies pending)"
         remap = self.pool.compact()
-        for table in self.tables.held.values():
-            table[:] = [remap.get(b.block_id, b) for b in table]
+        for blocks in [*self.tables.held.values(), *self.adapters.held.values()]:
+            blocks[:] = [remap.get(b.block_id, b) for b in blocks]
         return [(s, d.block_id) for s, d in remap.items()]
 
     def grow(self, n: int) -> None:
@@ -391,7 +393,8 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Pool and table invariants (``RequestTables.check``), plus: each block's ref_cnt
-        equals the number of tables holding it."""
+        equals the number of tables (and adapters) holding it."""
         refs = self.tables.check(self.window is not None, set(self.host.requests))
+        self.adapters.add_refs(refs)  # resident LoRA adapters' pages
         self.host.check_integrity()
         self.pool.check_integrity(refs)

@@ -5,11 +5,12 @@ allocation trace). Pure Python; reads the manager's and the pool's state, never 
 
 One character per device block (``BLOCK_STATES``), in block id order::
 
-    blocks  "uuhh.s..cc"      u = in use (ref 1)           h = in use and in the prefix index
+    blocks  "uuhh.s..cca"     u = in use (ref 1)           h = in use and in the prefix index
                               s = shared (ref > 1)         c = free, cached prefix (evictable)
-                              . = free
+                              . = free                     a = a LoRA adapter's weights (ref 1)
     refs    {5: 3}            ref counts of the shared blocks
     host    "ww.."            w = holds a swapped-out request's KV   . = free host block
+    adapters {"3": [9, 10]}   the resident LoRA adapters' blocks, by adapter id (kv/adapters.py)
 
 The prefix tree is the pool's hash index: one node per cached block ``[block, parent, hits,
 hash]`` where ``parent`` is the block holding the previous block of the chain, ``ROOT`` for a
@@ -24,7 +25,8 @@ from typing import Any
 from pagedllm.kv.block_pool import hash_hex
 from pagedllm.kv.manager import KVCacheManager
 
-BLOCK_STATES = {".": "free", "c": "cached", "u": "used", "h": "used_cached", "s": "shared"}
+BLOCK_STATES = {".": "free", "c": "cached", "u": "used", "h": "used_cached", "s": "shared",
+                "a": "lora"}
 ROOT, ORPHAN = -1, -2
 
 
@@ -42,6 +44,10 @@ def capture_kv(kv: KVCacheManager) -> dict[str, Any]:
         else:
             chars.append("s")
             refs[b.block_id] = r
+    adapters = {str(i): kv.adapters.blocks_of(i) for i in kv.adapters.resident}
+    for ids in adapters.values():
+        for i in ids:
+            chars[i] = "a"
     host = ["."] * kv.host.num_blocks
     host_tables = {}
     for rid in kv.host.requests:
@@ -66,6 +72,7 @@ def capture_kv(kv: KVCacheManager) -> dict[str, Any]:
         "host": "".join(host),
         "tables": {rid: [b.block_id for b in t] for rid, t in kv.tables.held.items()},  # held
         "host_tables": host_tables,
+        "adapters": adapters,
         "prefix": prefix,
     }
 
@@ -78,7 +85,8 @@ def count_states(snapshot: dict[str, Any]) -> dict[str, int]:
         "num_blocks": len(blocks),
         "free_blocks": n["."] + n["c"],
         "cached_blocks": n["c"],
-        "used_blocks": n["u"] + n["h"] + n["s"],
+        "used_blocks": n["u"] + n["h"] + n["s"] + n["a"],
         "shared_blocks": n["s"],
+        "lora_blocks": n["a"],
         "host_used_blocks": snapshot["host"].count("w"),
     }

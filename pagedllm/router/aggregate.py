@@ -42,7 +42,8 @@ def merge_stats(records: Sequence[StepStats]) -> StepStats:
 
 # kv_stats() keys that add up over replicas (the rest: the largest, or the first replica's)
 _KV_SUMMED = ("num_blocks", "used_blocks", "cached_blocks", "free_blocks", "shared_blocks",
-              "pinned_blocks", "window_freed_blocks", "prefix_cache_queries", "prefix_cache_hits",
+              "pinned_blocks", "lora_blocks", "lora_resident_adapters", "lora_page_ins",
+              "lora_page_outs", "window_freed_blocks", "prefix_cache_queries", "prefix_cache_hits",
               "num_preemptions", "swapped_out_blocks", "swapped_in_blocks", "num_swapped",
               "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
               "spec_decode_num_accepted_tokens", *_TIER)

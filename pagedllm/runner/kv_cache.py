@@ -27,6 +27,8 @@ A quantized layer cache is handed to the backends as ``QuantizedKV(data, scale)`
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pagedllm.attention.base import to_device
@@ -172,6 +174,36 @@ class KVCache:
             for j, plane in enumerate(map(raw, self.planes)):
                 data = torch.stack([q[f"p{j}"] for q in payloads], dim=2).to(self.device)
                 plane.index_copy_(2, dst_i, data)
+
+    # -- pages: a block's bytes in every layer, for LoRA adapters' weights (kv/adapters.py) -------
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one block holds in one layer, over every plane (data and scales)."""
+        return sum(p.shape[0] * math.prod(p.shape[3:]) * raw(p).element_size() for p in self.planes)
+
+    def _byte_planes(self) -> list[torch.Tensor]:
+        return [raw(p).view(torch.uint8) for p in self.planes]  # [n, L, nb, bs, *row as bytes]
+
+    def write_pages(self, blocks: list[int], data: torch.Tensor) -> None:
+        """Write ``data`` (uint8 [L, len(blocks) * page_bytes]) into ``blocks``: layer l's bytes
+        fill block after block, each block's planes of layer l in turn. One scatter per plane."""
+        k = len(blocks)
+        idx = to_device(blocks, torch.long, self.device)
+        data = data.view(self._layers, k, self.page_bytes).to(self.device)
+        off = 0
+        for p in self._byte_planes():
+            n, per = p.shape[0], math.prod(p.shape[3:])
+            part = data[:, :, off:off + n * per].reshape(self._layers, k, n, *p.shape[3:])
+            p.index_copy_(2, idx, part.movedim(2, 0).contiguous())
+            off += n * per
+
+    def read_pages(self, blocks: list[int]) -> torch.Tensor:
+        """What ``write_pages`` wrote into ``blocks``: uint8 [L, len(blocks) * page_bytes]."""
+        k = len(blocks)
+        idx = to_device(blocks, torch.long, self.device)
+        parts = [p.index_select(2, idx).movedim(0, 2).reshape(self._layers, k, -1)
+                 for p in self._byte_planes()]
+        return torch.cat(parts, dim=2).reshape(self._layers, -1)
 
     def resize(self, num_blocks: int) -> None:
         """Grow (new blocks zeroed) or shrink (drop the tail) the device pool; rebinds views."""

@@ -28,7 +28,6 @@ from pagedllm.layers.linear import Linear, pack_batch_invariant, pack_linears
 from pagedllm.layers.sampler import SamplingMetadata, logprob_stats, plain_greedy, sample
 from pagedllm.logging_utils import init_logger
 from pagedllm.lora.manager import LoRAManager
-from pagedllm.lora.ops import LoRAMapping
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.loader import load_model
 from pagedllm.runner.batch import HostBatch, Uploader, build_host_batch, fetch
@@ -265,22 +264,29 @@ class ModelRunner:
         if u.loads:  # a tensor-parallel rank takes its heads of each block
             r, n = (0, 1) if self.tp is None else (self.tp.rank, self.tp.size)
             kv.import_blocks([(rank_part(p, r, n), b) for p, b in u.loads])
+        if self.lora is not None:  # LoRA adapters paged out of the pool, then in
+            self.lora.apply_paging(u.lora_evictions, u.lora_loads, kv.page_bytes, kv.write_pages)
 
-    def add_lora(self, req: LoRARequest) -> None:
-        """Load and check an adapter into the host cache (``LoRAError`` if it cannot run)."""
+    def add_lora(self, req: LoRARequest) -> int:
+        """Load and check an adapter into the host cache (``LoRAError`` if it cannot run):
+        the KV blocks its weights take when paged in."""
         assert self.lora is not None
-        self.lora.add(req)
+        return self.lora.add(req, self.kv_cache.page_bytes, self.kv_cache.num_blocks)
 
     @torch.inference_mode()
     def run_step(self, kv: KVUpdate, batch: HostBatch | None,
-                 lora: LoRAMapping | None = None) -> torch.Tensor | None:
+                 loras: list[SeqInput] | None = None) -> torch.Tensor | None:
         """What every rank does in a step: the KV changes, then the forward of ``batch`` (None:
-        a KV-only step) with the step's adapters ``lora``. Hidden states [T, hidden], or
-        [B, hidden] from a decode graph (steps without adapters only: a graph holds none).
+        a KV-only step) with the LoRA adapters of ``loras`` (the step's rows: read from their
+        pages after the KV changes). Hidden states [T, hidden], or [B, hidden] from a decode
+        graph (steps without adapters only: a graph holds none).
         Tensor-parallel workers receive this call from rank 0; their all-reduces pair up."""
         self.apply_kv_update(kv)
         if batch is None:
             return None
+        lora = None if self.lora is None or not loras else self.lora.prepare(
+            [s.lora_request for s in loras], [s.num_new_tokens for s in loras], kv.lora_pages,
+            self.kv_cache.read_pages)
         if lora is None and self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)  # [B, hidden]: one row per decode request
         input_ids, positions, meta = self.uploader.metadata(batch)
@@ -299,9 +305,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             hb = self.prepare(sched)
             result.prepare_s = time.perf_counter() - t0
-        lora = None if self.lora is None or not sched else self.lora.prepare(
-            [s.lora_request for s in sched], [s.num_new_tokens for s in sched])
-        hidden = self.run_step(out.kv, hb, lora)
+        hidden = self.run_step(out.kv, hb, sched)
         if hidden is None or hb is None:
             return result
 

@@ -50,8 +50,13 @@ class KVUpdate:
       5. ``block_copies`` device -> device    (copy-on-write of shared partial blocks)
       6. ``swap_in``     host -> device       (into fresh blocks, possibly freed by 2-4)
       7. ``loads``       KV tier -> device    (payloads of verified blocks, into fresh blocks)
+      8. ``lora_evictions``, then ``lora_loads``: LoRA adapters paged out of the pool (the
+         runner forgets their device copies) and in (their weights written into fresh blocks;
+         kv/adapters.py)
 
-    Ids in 4-7 are the block ids after 1-3 (the KV manager decided them in that order).
+    Ids in 4-8 are the block ids after 1-3 (the KV manager decided them in that order).
+    ``lora_pages``: where each adapter the step runs lives now (ids after 1-3): the runner reads
+    an adapter's weights from its pages when it has no copy of them in a compute slot.
     """
 
     resize: int | None = None  # the device pool's size in blocks from this step on
@@ -60,11 +65,15 @@ class KVUpdate:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device ids
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     loads: list[tuple[Any, int]] = field(default_factory=list)  # (tier payload, device)
+    lora_evictions: list[int] = field(default_factory=list)  # adapter ids paged out
+    lora_loads: list[tuple[int, list[int]]] = field(default_factory=list)  # (adapter id, blocks)
+    lora_pages: dict[int, list[int]] = field(default_factory=dict)  # the step's adapters' blocks
 
     @property
     def is_empty(self) -> bool:
         return (self.resize is None and not self.compaction and not self.swap_out
-                and not self.block_copies and not self.swap_in and not self.loads)
+                and not self.block_copies and not self.swap_in and not self.loads
+                and not self.lora_evictions and not self.lora_loads)
 
 
 @dataclass

@@ -20,11 +20,12 @@ Order of a step (``KVMemoryPolicy``, sched/memory.py, may first grow an elastic 
      urgent first, while budget, ``max_num_seqs`` and free blocks allow, reusing cached prefix
      blocks. A request that cannot be admitted preempts running requests that are strictly less
      urgent than it (unscheduling them from this step) until it fits.
+LoRA adapters live in the pool too (sched/adapters.py): a request's is paged in before it is
+admitted, and idle adapters' pages go before any request is preempted for blocks.
 
 Sliding-window models (``kv.window``): after each step a request's blocks that left the window
-are freed (``KVCacheManager.free_outside_window``), and a prefill chunk that does not fit the
-free blocks is cut to what does (it holds its window plus the chunk, never the whole prompt),
-so such a request always moves on with ``max_blocks_held(window, block_size)`` blocks.
+are freed (``KVCacheManager.free_outside_window``), and a prefill chunk that does not fit is cut
+to what does, so such a request moves on with ``max_blocks_held(window, block_size)`` blocks.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ from pagedllm.kv.manager import KVCacheManager, PrefixHit
 from pagedllm.kv.transfer import KVTransfer
 from pagedllm.lora.request import LoRAPlaces
 from pagedllm.request import Request, RequestStatus
-from pagedllm.sched.admission import check_fits
+from pagedllm.sched.adapters import AdapterResidency
+from pagedllm.sched.admission import check_adapter_fits, check_fits
 from pagedllm.sched.holds import KVHolds
 from pagedllm.sched.memory import KVMemoryPolicy
 from pagedllm.sched.output import ScheduledRequest, SchedulerOutput
@@ -71,6 +73,7 @@ class Scheduler:
         self._forks: dict[str, list[Request]] = {}
         self._fork_parent: dict[str, str] = {}  # pending child id -> parent id
         self.holds = KVHolds(kv)  # finished requests' blocks kept for a later fork_of
+        self.adapters = AdapterResidency(kv, self.running, self.holds, config.max_loras is not None)
         self.external: KVTransfer | None = None  # the cluster KV tier (--kv-transfer-config)
 
     # -- queue management -------------------------------------------------------------------
@@ -83,7 +86,8 @@ class Scheduler:
         for r in [req, *forks]:
             if r.request_id in self.requests or r.request_id in self.holds:
                 raise ValueError(f"request_id {r.request_id!r} is already in use")
-        self.check_fits(req.num_prompt_tokens)
+        check_fits(self.config, self.kv, req.num_prompt_tokens)  # a prompt never served fails now
+        check_adapter_fits(self.config, self.kv, req)  # its LoRA adapter's pages beside its KV
         kept = None if forks else self.holds.fork(req)  # its arrival_seq, if it forked a hold
         if req.num_prompt_tokens < 2:  # nothing to share: queue them as independent requests
             reqs, forks = [req, *forks], []
@@ -104,10 +108,6 @@ class Scheduler:
             self._forks[req.request_id] = forks
             for f in forks:
                 self._fork_parent[f.request_id] = req.request_id
-
-    def check_fits(self, num_prompt_tokens: int) -> None:
-        """A prompt that can never be served fails now (``admission.check_fits``)."""
-        check_fits(self.config, self.kv, num_prompt_tokens)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (stop, length, abort) a request wherever it is; its blocks go back to the pool."""
@@ -222,6 +222,7 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget, loras)
         out.kv.block_copies = self.kv.take_block_copies()
+        self.adapters.finish_step(out)  # LoRA adapters paged in and out (sched/adapters.py)
         return out
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> int:
@@ -229,6 +230,8 @@ class Scheduler:
         preempted itself."""
         while not (got := self._allocate_chunk(req, req.num_computed_tokens, n)):
             if self.holds.release_oldest():  # held KV goes before any running request
+                continue
+            if self.adapters.page_out_idle():  # so do idle adapters' pages
                 continue
             victim = self.running[-1]  # least urgent: sorted by (priority, arrival)
             self._preempt(victim, out)
@@ -241,7 +244,7 @@ class Scheduler:
             from_host = bool(self.swapped) and (
                 not self.waiting or self.swapped[0].sort_key < self.waiting[0][0])
             req = self.swapped[0] if from_host else self.waiting[0][1]
-            if not loras.admits(req.lora_request):
+            if not loras.admits(req.lora_request) or not self.adapters.make_resident(req):
                 break  # first come, first served: nothing younger jumps the queue
             seats = 1 + len(self._forks.get(req.request_id, ()))
             if self.running and self._seats_taken() + seats > self.config.max_num_seqs:
@@ -252,7 +255,7 @@ class Scheduler:
                 continue
             if from_host:
                 used = self._swap_in(req, out, budget)
-                if used is None and self.holds.release_oldest():
+                if used is None and (self.holds.release_oldest() or self.adapters.page_out_idle(req)):
                     continue
                 if used is None:
                     refund = self._preempt_for(req, out)
@@ -275,7 +278,7 @@ class Scheduler:
             if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = self._allocate_chunk(req, computed, min(n, budget), prefix)
-            if not n and self.holds.release_oldest():
+            if not n and (self.holds.release_oldest() or self.adapters.page_out_idle(req)):
                 continue
             if not n:
                 refund = self._preempt_for(req, out)
@@ -330,11 +333,8 @@ class Scheduler:
         if not self.running or self.running[-1].priority <= req.priority:
             return None
         victim = self.running[-1]
-        refund = 0
-        for j, s in enumerate(out.scheduled):
-            if s.request is victim:
-                refund = out.scheduled.pop(j).num_new_tokens
-                break
+        j = next((j for j, s in enumerate(out.scheduled) if s.request is victim), None)
+        refund = 0 if j is None else out.scheduled.pop(j).num_new_tokens
         logger.info("preempting %s (priority %d) for %s (priority %d)", victim.request_id,
                     victim.priority, req.request_id, req.priority)
         self._preempt(victim, out, for_priority=True)
@@ -360,9 +360,9 @@ class Scheduler:
 
     def _seats_taken(self) -> int:
         """Running requests plus the pending forks of running parents."""
-        pending = sum(len(f) for p, f in self._forks.items()
-                      if self.requests[p].status == RequestStatus.RUNNING)
-        return len(self.running) + pending
+        running = RequestStatus.RUNNING
+        return len(self.running) + sum(len(f) for p, f in self._forks.items()
+                                       if self.requests[p].status == running)
 
     def _fork_children(self, parent: Request) -> None:
         """Give each pending child the parent's blocks for all but the last prompt token."""

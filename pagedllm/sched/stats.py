@@ -30,6 +30,10 @@ class KVBlockCounts:
     cached: int = 0  # free, still holding a cached prefix block (reusable until evicted)
     shared: int = 0  # referenced by more than one sequence (prefix hits, forks)
     pinned: int = 0  # held by preheated prefixes
+    lora: int = 0  # held by resident LoRA adapters' weights (kv/adapters.py)
+    lora_resident: int = 0  # adapters resident in the pool
+    lora_page_ins: int = 0  # adapters paged into the pool, since start-up
+    lora_page_outs: int = 0  # adapters paged out to make room, since start-up
     host_total: int = 0
     host_used: int = 0  # holding swapped-out KV
 
@@ -173,6 +177,8 @@ class StepStats:
         self.kv = KVBlockCounts(
             total=pool.num_blocks, free=pool.num_free_blocks, cached=pool.num_cached_free_blocks,
             shared=pool.num_shared_blocks, pinned=kv.num_pinned_blocks,
+            lora=kv.adapters.num_blocks, lora_resident=len(kv.adapters.held),
+            lora_page_ins=kv.adapters.num_loads, lora_page_outs=kv.adapters.num_evictions,
             host_total=kv.num_host_blocks, host_used=kv.num_host_blocks - kv.num_free_host_blocks,
         )
         self.num_preemptions = sched.num_preemptions

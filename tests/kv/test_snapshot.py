@@ -14,7 +14,7 @@ def _pool_counts(kv: KVCacheManager) -> dict[str, int]:
     p = kv.pool
     return {"num_blocks": p.num_blocks, "free_blocks": p.num_free_blocks,
             "cached_blocks": p.num_cached_free_blocks, "used_blocks": p.num_used_blocks,
-            "shared_blocks": p.num_shared_blocks,
+            "shared_blocks": p.num_shared_blocks, "lora_blocks": kv.adapters.num_blocks,
             "host_used_blocks": kv.num_host_blocks - kv.num_free_host_blocks}
 
 

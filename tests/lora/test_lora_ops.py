@@ -57,6 +57,8 @@ def test_scheduler_runs_at_most_max_loras_per_step_fcfs() -> None:
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
                                       max_loras=1), KVCacheManager(64, 4))
     loras = [LoRARequest(f"a{i}", i, f"/a{i}") for i in (1, 2, 3)]
+    for lr in loras:
+        sched.kv.adapters.register(lr.lora_int_id, 3)  # its weights take 3 blocks when paged in
     reqs = []
     for i in range(9):
         r = Request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=3))

@@ -227,6 +227,7 @@ def test_totals_over_replicas() -> None:
            "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
            "spec_decode_num_accepted_tokens": 0}
     one |= {k: 0 for k in ("cached_blocks", "free_blocks", "shared_blocks", "pinned_blocks",
+                           "lora_blocks", "lora_resident_adapters", "lora_page_ins", "lora_page_outs",
                            "window_freed_blocks", "num_preemptions", "swapped_out_blocks",
                            "swapped_in_blocks", "num_swapped", "kv_tier_blocks_loaded",
                            "kv_tier_blocks_stored", "kv_tier_bytes_loaded",

@@ -89,6 +89,7 @@ def paused(server: ServerThread, want: Any) -> Iterator[dict[str, Any]]:
         box["pool"] = {"num_blocks": pool.num_blocks, "free_blocks": pool.num_free_blocks,
                        "cached_blocks": pool.num_cached_free_blocks,
                        "used_blocks": pool.num_used_blocks, "shared_blocks": pool.num_shared_blocks,
+                       "lora_blocks": engine.kv.adapters.num_blocks,
                        "host_used_blocks": engine.kv.num_host_blocks - engine.kv.num_free_host_blocks}
         ready.set()
         release.wait(60)

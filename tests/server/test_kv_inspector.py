@@ -17,7 +17,8 @@ from server_helpers import ServerThread
 
 from pagedllm.kv.snapshot import count_states
 
-KV_STATS_COUNTS = ("num_blocks", "free_blocks", "cached_blocks", "used_blocks", "shared_blocks")
+KV_STATS_COUNTS = ("num_blocks", "free_blocks", "cached_blocks", "used_blocks", "shared_blocks",
+                   "lora_blocks")
 
 
 @pytest.fixture(scope="module")
