@@ -316,9 +316,6 @@ class EngineArgs:
         if self.tensor_parallel_size > 1:
             raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet; "
                              "drop --enable-lora or use -tp 1")
-        if self.speculative_config is not None:
-            raise ValueError("enable_lora with speculative decoding is not supported yet; drop "
-                             "--enable-lora or --speculative-config")
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _kv_dtype(self, flag: str, override: str | None) -> str:

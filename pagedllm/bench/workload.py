@@ -52,6 +52,7 @@ class BenchRequest:
     max_tokens: int
     arrival_time: float | None = None  # seconds from the start; None = all at once
     prompt: str | None = None  # the text, when the workload came from text
+    lora_id: int | None = None  # the LoRA adapter it runs (the planner's --lora-adapters)
 
     @property
     def prompt_len(self) -> int:

@@ -64,7 +64,7 @@ class EngineCore:
             self.tokenizer, config.model.eos_token_ids + self.generation_defaults.eos_token_ids)
         executor = make_executor(config)  # rank 0 here; with TP, the other ranks started
         self.kv_plan = p = plan_kv_pool(config.model, config.cache, config.scheduler,
-                                        _profiled_budget(config, executor))
+                                        _profiled_budget(config, executor), config.lora)
         logger.info(startup_line(config, p))
         self.scheduler = build_scheduler(config, p, scheduler_cls)  # as the planner's replay
         self.kv: KVCacheManager = self.scheduler.kv

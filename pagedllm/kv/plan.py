@@ -10,6 +10,7 @@ from pagedllm.kv.window import max_blocks_held
 
 if TYPE_CHECKING:
     from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
+    from pagedllm.lora.request import LoRAConfig
 
 DEFAULT_KV_CAP = 4 * 1024**3  # default budget cap: enough for max_num_seqs full requests, <= 4 GiB
 
@@ -26,6 +27,8 @@ class KVPoolPlan:
     bytes_per_block: int
     max_model_len: int
     sliding_window: int | None = None
+    lora_blocks_per_adapter: int = 0  # an adapter of max_lora_rank on every projection
+    lora_blocks: int = 0  # the default pool's room for max_loras such adapters (LoRA on)
 
     @property
     def num_tokens(self) -> int:
@@ -38,7 +41,8 @@ class KVPoolPlan:
 
     @property
     def max_concurrent_full_requests(self) -> int:
-        return self.num_blocks // self.blocks_per_full_request
+        """Beside ``lora_blocks`` of adapters' pages (LoRA on)."""
+        return max(0, self.num_blocks - self.lora_blocks) // self.blocks_per_full_request
 
     @property
     def nbytes(self) -> int:
@@ -52,6 +56,9 @@ class KVPoolPlan:
             out += (f" (sliding window {self.sliding_window}: each holds at most "
                     f"{self.blocks_per_full_request} blocks while decoding, its window plus a "
                     f"prefill chunk while prefilling; {full} if every block were kept)")
+        if self.lora_blocks:
+            out += (f", beside {self.lora_blocks} blocks of LoRA adapters' pages "
+                    f"({self.lora_blocks_per_adapter} per adapter of max_lora_rank)")
         return out
 
 
@@ -64,20 +71,37 @@ def blocks_per_request(num_tokens: int, block_size: int, sliding_window: int | N
     return min(full, max_blocks_held(sliding_window, block_size))
 
 
+def lora_blocks_per_adapter(model: ModelConfig, cache: CacheConfig, rank: int) -> int:
+    """KV blocks a LoRA adapter of ``rank`` on all seven projections takes in the pool, at the
+    model's dtype (lora/pages.py: per layer A [r, in] and B [out, r] of every target, laid
+    end to end over the block's bytes in that layer; the runner measures each real adapter)."""
+    h, i = model.hidden_size, model.intermediate_size
+    q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
+    # qkv: A 3 x [r, h], B [q + 2 kv, r]; o: A [r, q], B [h, r]; gate/up: A 2 x [r, h],
+    # B 2 x [i, r]; down: A [r, i], B [h, r]
+    layer_bytes = rank * (7 * h + 2 * q + 2 * kv + 3 * i) * model.dtype_bytes
+    page = cache.kv_bytes_per_block(model) // model.num_hidden_layers
+    return -(-layer_bytes // page)
+
+
 def plan_kv_pool(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig,
-                 measured_budget: int | None = None) -> KVPoolPlan:
+                 measured_budget: int | None = None, lora: LoRAConfig | None = None) -> KVPoolPlan:
     """Blocks from ``num_kv_blocks``, else ``kv_cache_memory``, else ``measured_budget`` (bytes a
     GPU profile left for KV, runner/memory.py), else the default cap. With a sliding window the
-    default fits ``max_num_seqs`` windows plus one step's prefill chunk."""
+    default fits ``max_num_seqs`` windows plus one step's prefill chunk. With ``lora`` the
+    default adds room for ``max_loras`` adapters of ``max_lora_rank`` (their pages share the
+    pool, kv/adapters.py); a pool sized by the user holds adapters and KV as they come."""
     per_block = cache.kv_bytes_per_block(model)
     window = cache.kv_window(model)
     blocks_per_req = blocks_per_request(sched.max_model_len, cache.block_size, window)
+    per_adapter = 0 if lora is None else lora_blocks_per_adapter(model, cache, lora.max_lora_rank)
+    lora_blocks = 0 if lora is None else lora.max_loras * per_adapter
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
     else:
         budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else measured_budget
         if budget is None:
-            want = sched.max_num_seqs * blocks_per_req
+            want = sched.max_num_seqs * blocks_per_req + lora_blocks
             if window is not None:
                 chunk = min(sched.max_num_batched_tokens, sched.max_model_len)
                 want += -(-chunk // cache.block_size)
@@ -92,4 +116,5 @@ def plan_kv_pool(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig,
             f"lower --max-model-len or raise --kv-cache-memory / --num-kv-blocks"
             + (" / --gpu-memory-utilization" if measured_budget is not None else "")
         )
-    return KVPoolPlan(num_blocks, cache.block_size, per_block, sched.max_model_len, window)
+    return KVPoolPlan(num_blocks, cache.block_size, per_block, sched.max_model_len, window,
+                      per_adapter, min(lora_blocks, num_blocks))

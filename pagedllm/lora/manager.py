@@ -74,7 +74,7 @@ class LoRAManager:
             raise LoRAError(f"LoRA adapter {req.lora_name!r}: lora_int_id={req.lora_int_id} is "
                             f"already adapter {old.lora_name!r} ({old.lora_path}); give each "
                             "adapter its own id")
-        layout = page_layout(self._host_weights(req))
+        layout = page_layout(self._host_weights(req), next(iter(self.stacks.values())).a.dtype)
         n = layout.num_pages(page_bytes)
         if n > pool_blocks:
             raise LoRAError(f"LoRA adapter {req.lora_name!r}: its weights take {n} KV blocks "

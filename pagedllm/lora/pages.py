@@ -50,8 +50,8 @@ class PageLayout:
         return max(1, -(-self.layer_bytes // page_bytes))
 
 
-def page_layout(w: LoRAWeights) -> PageLayout:
-    dtype = next(iter(w.targets.values()))[0].dtype
+def page_layout(w: LoRAWeights, dtype: torch.dtype) -> PageLayout:
+    """Where ``w``'s matrices lie in its pages, stored at ``dtype`` (the compute slots')."""
     size = torch.empty((), dtype=dtype).element_size()
     used: dict[int, int] = {}
     entries = []

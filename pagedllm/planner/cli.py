@@ -19,7 +19,7 @@ PLAN_COLUMNS = (
     ("ttft_p99_s", "p99"), ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p90_ms", "p90"),
     ("tpot_p99_ms", "p99"), ("peak_running", "peak run"), ("num_preemptions", "preempt"),
     ("num_steps", "steps"), ("kv_utilization", "KV util"), ("mean_pool_usage", "pool use"),
-    ("prefix_cache_hit_rate", "hit rate"),
+    ("prefix_cache_hit_rate", "hit rate"), ("lora_page_ins", "LoRA in"),
 )
 HOLDOUT_WARN = 0.15  # calibrate warns above this median error on held-out steps
 TIMED = {"output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
@@ -66,6 +66,9 @@ def register(subparsers: Any) -> None:
                    help="with --data-parallel-size: the router's policy (serve's default)")
     g.add_argument("--routing-imbalance-threshold", type=int, default=IMBALANCE_THRESHOLD,
                    help="with --data-parallel-size and cache_aware: as serve's flag")
+    g.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                   help="the workload's requests run N LoRA adapters in turn, each taking the "
+                   "pages of one of --max-lora-rank on every projection (needs --enable-lora)")
     g.add_argument("--output-json", type=Path, default=None, metavar="FILE")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=cmd_plan)
@@ -150,6 +153,8 @@ def _replay(a: argparse.Namespace, args: EngineArgs) -> int:
         raise ValueError(f"--request-rate={a.request_rate} must be > 0")
     kw = dataclasses.asdict(args)
     spec, reqs, cfg = build_workload(kw, WorkloadSpec.cli_kwargs(a))
+    if a.lora_adapters:  # request i runs adapter i mod N (ids 1..N)
+        reqs = [dataclasses.replace(r, lora_id=1 + i % a.lora_adapters) for i, r in enumerate(reqs)]
     profile = Profile.load(a.profile) if a.profile else None
     print(f"workload         {spec.kind}: {len(reqs)} requests, "
           f"{sum(r.prompt_len for r in reqs)} prompt + {sum(r.max_tokens for r in reqs)} output "
@@ -236,7 +241,9 @@ def _print_rows(rows: list[dict[str, Any]], keys: list[str], timed: bool, rates:
     """The table of rows (swept settings first), then each refused combination's error."""
     from pagedllm.bench.report import format_table
 
-    cols = [(k, k) for k in keys] + [c for c in PLAN_COLUMNS if timed or c[0] not in TIMED]
+    lora = any(r.get("lora_page_ins") for r in rows)
+    cols = [(k, k) for k in keys] + [c for c in PLAN_COLUMNS if (timed or c[0] not in TIMED)
+                                     and (lora or c[0] != "lora_page_ins")]
     if rates:
         cols.append(("max_rate_rps", "max req/s"))
     if slo:

@@ -63,7 +63,7 @@ class Planner:
 
 def pool_lines(cfg: EngineConfig) -> list[str]:
     """The KV pool sizing of ``cfg``: what fits, at what bytes per token (no weights loaded)."""
-    plan = plan_kv_pool(cfg.model, cfg.cache, cfg.scheduler)
+    plan = plan_kv_pool(cfg.model, cfg.cache, cfg.scheduler, lora=cfg.lora)
     m, c = cfg.model, cfg.cache
     lines = [
         f"model            {m.model} ({m.architecture}, {m.num_hidden_layers} layers, "

@@ -111,7 +111,7 @@ def describe_setup(config: Any) -> dict[str, Any]:
     from pagedllm.kv.plan import plan_kv_pool
     from pagedllm.planner.grid import Settings
 
-    pool = plan_kv_pool(config.model, config.cache, config.scheduler)
+    pool = plan_kv_pool(config.model, config.cache, config.scheduler, lora=config.lora)
     return {**describe_config(config), **Settings.of(config, pool.num_blocks).facts(),
             **machine()}
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.kv.plan import KVPoolPlan, plan_kv_pool
+from pagedllm.lora.request import LoRARequest
 from pagedllm.planner.cost import StepCostModel, step_features
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
@@ -71,6 +72,8 @@ class ReplayResult:
     series_live: list[int] = field(default_factory=list)
     series_reserved: list[int] = field(default_factory=list)
     series_pool: list[int] = field(default_factory=list)
+    lora_page_ins: int = 0  # LoRA adapters paged into the pool (--lora-adapters)
+    lora_page_outs: int = 0
 
     def add_step(self, rec: StepStats, clock: float) -> None:
         self.series_t.append(clock)
@@ -89,6 +92,8 @@ class ReplayResult:
         self.elapsed = clock
         self.output_tokens = sum(self.num_output)
         self.prefix_cache_hit_rate = sched.kv.stats.hit_rate
+        pages = sched.kv.adapters
+        self.lora_page_ins, self.lora_page_outs = pages.num_loads, pages.num_evictions
 
     @property
     def ttft(self) -> list[float]:
@@ -134,7 +139,8 @@ class Replayer:
                  cost: StepCostModel | None = None, arrivals: list[float] | None = None,
                  scheduler_cls: type[Scheduler] = Scheduler, plan: KVPoolPlan | None = None,
                  on_step: Callable[[StepStats, float], None] | None = None) -> None:
-        plan = plan or plan_kv_pool(config.model, config.cache, config.scheduler)
+        plan = plan or plan_kv_pool(config.model, config.cache, config.scheduler,
+                                   lora=config.lora)
         self.sched = build_scheduler(config, plan, scheduler_cls)
         n = len(reqs)
         if arrivals is None:
@@ -150,6 +156,10 @@ class Replayer:
                                 plan.block_size, sum(r.prompt_len for r in reqs), 0, 0.0,
                                 list(self.arrivals), [math.nan] * n, [math.nan] * n, [0] * n)
         self.clock, self.steps = 0.0, 0
+        for lid in {r.lora_id for r in reqs if r.lora_id is not None}:  # pages as the plan says
+            if config.lora is None:
+                raise ValueError("requests that run LoRA adapters need --enable-lora")
+            self.sched.kv.adapters.register(lid, plan.lora_blocks_per_adapter)
 
     @property
     def busy(self) -> bool:
@@ -161,9 +171,10 @@ class Replayer:
         if not self.busy:
             self.clock = max(self.clock, self.arrivals[i])
         rid = f"r{i}"
+        lora = None if r.lora_id is None else LoRARequest(f"lora-{r.lora_id}", r.lora_id, "")
         self.sched.add_request(Request(  # check_fits: a prompt the engine refuses fails here too
             rid, list(r.prompt_token_ids), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
-            max_model_len=self.max_len, arrival_time=self.arrivals[i]))
+            max_model_len=self.max_len, arrival_time=self.arrivals[i], lora_request=lora))
         self.index[rid] = i
 
     def advance(self) -> None:
@@ -239,6 +250,8 @@ def summarize(res: ReplayResult) -> dict[str, Any]:
         "peak_running": res.peak_running,
         "prefix_cache_hit_rate": res.prefix_cache_hit_rate,
         "num_kv_blocks": res.num_blocks,
+        "lora_page_ins": res.lora_page_ins,
+        "lora_page_outs": res.lora_page_outs,
         "block_size": res.block_size,
         **res.kv_means(),
     }

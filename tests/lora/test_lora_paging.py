@@ -220,7 +220,9 @@ def test_32_adapters_through_a_pool_that_holds_4(lora_base: Path, tmp_path: Path
                 block_size=16, dtype="float32")
     probe.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False,
                    lora_request=LoRARequest("a0", 1, str(paths[0])))
-    pages = probe.engine.kv.adapters.sizes[1]
+    pages = probe.engine.kv.adapters.sizes[1]  # measured by the runner from the real adapter
+    plan = probe.engine.kv_plan  # the planner's arithmetic for rank 8 on every projection
+    assert (plan.lora_blocks_per_adapter, plan.lora_blocks) == (pages, pages)  # max_loras=1
     del probe
     # 2 requests at a time hold at most 4 KV blocks (<= 28 tokens each): 4 adapters fit, 5 never
     llm = LLM(str(lora_base), enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=3,
@@ -236,3 +238,32 @@ def test_32_adapters_through_a_pool_that_holds_4(lora_base: Path, tmp_path: Path
     llm.engine.kv.check_integrity()
     base = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert sum(list(o.outputs[0].token_ids) != w for o, w in zip(base, want)) >= 24  # deltas show
+
+
+def test_planner_replay_pages_adapters_as_the_engine_does(lora_base: Path, tmp_path: Path) -> None:
+    """``pagedllm plan --lora-adapters``'s replay (no model: the engine's scheduler with the
+    plan's page count per adapter) schedules and pages exactly as the real engine does."""
+    from pagedllm.args import EngineArgs
+    from pagedllm.bench.workload import BenchRequest
+    from pagedllm.planner.replay import replay
+
+    paths = _many_adapters(lora_base, tmp_path, 6)
+    prompts = [[5 + (11 * i + 3 * j) % 500 for j in range(6 + 5 * (i % 4))] for i in range(12)]
+    lens = [4 + 3 * (i % 3) for i in range(12)]
+    kw = dict(enable_lora=True, max_lora_rank=8, max_loras=2, max_num_seqs=4, max_model_len=64,
+              block_size=16, dtype="float32")
+    pages = 5  # rank 8 on every projection of the tiny model (asserted above)
+    kw["num_kv_blocks"] = 2 * pages + 4  # two adapters and 4 KV blocks: adapters take turns
+    llm = LLM(str(lora_base), **kw)
+    loras = [LoRARequest(f"a{i % 6}", 1 + i % 6, str(paths[i % 6])) for i in range(12)]
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens],
+                 use_tqdm=False, lora_request=loras)
+    engine = llm.engine.core
+    reqs = [BenchRequest(p, n, lora_id=1 + i % 6) for i, (p, n) in enumerate(zip(prompts, lens))]
+    res = replay(reqs, EngineArgs.from_kwargs({"model": str(lora_base), **kw}).create_engine_config())
+    pool = engine.kv.adapters
+    assert pool.num_loads > 6 and pool.num_evictions > 0  # adapters were paged out and in again
+    assert (res.num_steps, res.num_preemptions, res.lora_page_ins, res.lora_page_outs) == \
+        (engine.scheduler.num_steps, engine.scheduler.num_preemptions, pool.num_loads,
+         pool.num_evictions)
