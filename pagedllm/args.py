@@ -313,9 +313,6 @@ class EngineArgs:
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
-        if self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet; "
-                             "drop --enable-lora or use -tp 1")
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _kv_dtype(self, flag: str, override: str | None) -> str:

@@ -5,10 +5,12 @@
     engine process (rank 0)                              worker r (spawned, or a Ray actor)
     ───────────────────────                              ──────────────────────────────────
     scheduler + block manager (once)
-    prepare(step) ─ ("call", "run_step", (kv, batch)) ─▶ run_step(kv, batch):
-    run_step(kv, batch):                                   the same KV changes on its KV heads,
-      KV changes (swap, copies, compaction, resize)        the forward, the same all-reduces
-      forward: 2 all-reduces per layer  ◀──── gloo ────▶   (no logits)
+    prepare(step) ─ ("call", "run_step", (kv, batch, loras)) ─▶ run_step(kv, batch, loras):
+    run_step(kv, batch, loras):                            the same KV changes on its KV heads,
+      KV changes (swap, copies, compaction, resize,        the forward, the same all-reduces
+        LoRA pages)                                        (no logits)
+      forward: 2 all-reduces per layer  ◀──── gloo ────▶
+        (+1 per row-parallel linear an adapter targets)
     sample (full logits: lm_head is replicated)
 
 Any other ModelRunner method reaches every rank the same way (``collective_rpc``), with replies.
@@ -214,7 +216,7 @@ class MultiprocExecutor(Executor):
         t0 = time.perf_counter()
         hb = self.driver.prepare(step.seqs) if step.seqs else None
         prepare_s = time.perf_counter() - t0
-        self._call(ModelRunner.run_step.__name__, (step.kv, hb), {}, reply=False)
+        self._call(ModelRunner.run_step.__name__, (step.kv, hb, step.lora_rows()), {}, reply=False)
         result = self._on_driver(self.driver.execute, step, hb)
         result.prepare_s = prepare_s
         if hb is not None:

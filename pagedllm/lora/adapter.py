@@ -45,6 +45,18 @@ class LoRAWeights:
     targets: dict[Target, tuple[torch.Tensor, torch.Tensor]]
 
 
+def tp_shard(module: torch.nn.Module, shard: int, a: torch.Tensor,
+             b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This tensor-parallel rank's part of one target's A [r, in] and B [out, r], as vLLM
+    shards LoRA: a column-parallel (merged) linear keeps its rows of B (A whole), a row-parallel
+    one its columns of A (B whole; the ranks' partial ``A x`` are summed, lora/ops.py)."""
+    rows = getattr(module, "source_rows", None)
+    if rows is not None:
+        return a, b[rows[shard]]
+    cols = getattr(module, "source_cols", None)
+    return (a, b) if cols is None else (a[:, cols], b)
+
+
 def load_adapter(req: LoRARequest, model: CausalLM, max_rank: int) -> LoRAWeights:
     """The adapter at ``req.lora_path`` checked against ``model``; raises ``LoRAError``."""
     def fail(reason: str) -> LoRAError:
@@ -109,6 +121,7 @@ def load_adapter(req: LoRARequest, model: CausalLM, max_rank: int) -> LoRAWeight
         a, b = ab["A"], ab["B"]
         module = modules[name]
         assert isinstance(module, torch.nn.Linear)
+        a, b = tp_shard(module, shard, a, b)
         sizes = getattr(module, "output_sizes", [module.out_features])
         want_a, want_b = (r, module.in_features), (sizes[shard], r)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from pagedllm.layers.linear import RowParallelLinear
 from pagedllm.lora.adapter import SUPPORTED, LoRAError, LoRAWeights, load_adapter
 from pagedllm.lora.ops import DENSE_MAX_TOKENS, LoRAMapping, LoRAStack
 from pagedllm.lora.pages import PageLayout, layer_of, pack, page_layout, unpack
@@ -46,7 +47,8 @@ class LoRAManager:
                 b = [torch.zeros(s + 1, o, r, dtype=dtype, device=device) for o in sizes]
                 offsets = [sum(sizes[:j]) for j in range(len(sizes))]
                 b_flat = [torch.zeros(s * r, o, dtype=dtype, device=device) for o in sizes]
-                self.stacks[m] = LoRAStack(a, b, offsets, r, b_flat)
+                reduce = m.tp.all_reduce if isinstance(m, RowParallelLinear) else None
+                self.stacks[m] = LoRAStack(a, b, offsets, r, b_flat, reduce)
                 self.modules[name] = m
         self.known: dict[int, LoRARequest] = {}
         self.cpu: OrderedDict[int, LoRAWeights] = OrderedDict()  # LRU, most recent last

@@ -24,6 +24,7 @@ Three ways to run it, same arithmetic (``LoRAMapping.method``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,9 @@ class LoRAStack:
     offsets: list[int]  # first output column of each shard
     rank: int  # R
     b_flat: list[torch.Tensor]  # n x [S*R, out_j]: row (s, k) = B_j[s, :, k] (slots < S)
+    # a row-parallel linear under tensor parallelism: each rank holds its columns of A, so
+    # ``h = x @ A.T`` is a partial sum, all-reduced (T x n*R values) before B multiplies it
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass
@@ -69,7 +73,7 @@ class LoRAMapping:
             assert self.onehot is not None
             s, r = self.onehot.shape[1], stack.rank
             a = stack.a[:s].flatten(0, 1)  # [S*nR, in]: the zero base slot left out
-            h = (x @ a.t()).view(x.shape[0], s, -1) * self.onehot  # [T, S, nR]
+            h = _sum(stack, x @ a.t()).view(x.shape[0], s, -1) * self.onehot  # [T, S, nR]
             for j, (bf, off) in enumerate(zip(stack.b_flat, stack.offsets)):
                 hj = h[:, :, j * r:(j + 1) * r].reshape(x.shape[0], s * r)  # [T, S*R]
                 y[:, off:off + bf.shape[1]].addmm_(hj, bf)
@@ -80,7 +84,7 @@ class LoRAMapping:
         for slot, rows, targets in self.groups:
             if linear not in targets:
                 continue
-            h = x.index_select(0, rows) @ stack.a[slot].t()  # [t, n*R]
+            h = _sum(stack, x.index_select(0, rows) @ stack.a[slot].t())  # [t, n*R]
             for j, (b, off) in enumerate(zip(stack.b, stack.offsets)):
                 delta = h[:, j * r:(j + 1) * r] @ b[slot].t()  # [t, out_j]
                 y[:, off:off + b.shape[1]].index_add_(0, rows, delta)
@@ -89,8 +93,14 @@ class LoRAMapping:
 
 def _gather(stack: LoRAStack, slots: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     r = stack.rank
-    h = torch.bmm(stack.a.index_select(0, slots), x.unsqueeze(-1))  # [T, n*R, 1]
+    h = _sum(stack, torch.bmm(stack.a.index_select(0, slots), x.unsqueeze(-1)))  # [T, n*R, 1]
     for j, (b, off) in enumerate(zip(stack.b, stack.offsets)):
         delta = torch.bmm(b.index_select(0, slots), h[:, j * r:(j + 1) * r])  # [T, out_j, 1]
         y[:, off:off + b.shape[1]] += delta.squeeze(-1)
     return y
+
+
+def _sum(stack: LoRAStack, h: torch.Tensor) -> torch.Tensor:
+    """``h = x @ A.T`` over every rank's columns of A (a row-parallel linear under tensor
+    parallelism; every rank reduces in the same order: the same groups, the same linears)."""
+    return h if stack.reduce is None else stack.reduce(h)

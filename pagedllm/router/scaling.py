@@ -22,13 +22,17 @@ logger = init_logger(__name__)
 
 class ElasticReplicas:
     replicas: list[Replica]
-    routable: list[Replica]
-    live: list[Replica]
     _scaling: asyncio.Lock
     _loras: dict[str, tuple[tuple[Any, ...], tuple | None]]
     _tasks: list[asyncio.Task[None]]
 
-    if TYPE_CHECKING:
+    if TYPE_CHECKING:  # the host class's (router/client.py DPClient)
+        @property
+        def routable(self) -> list[Replica]: ...
+
+        @property
+        def live(self) -> list[Replica]: ...
+
         def _check_running(self) -> None: ...
         def _link(self, i: int) -> CoreLink: ...
         def _from_replica(self, i: int, msg: Any) -> None: ...

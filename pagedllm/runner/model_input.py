@@ -79,6 +79,12 @@ class ModelInput(msgspec.Struct, kw_only=True):
     kv: KVUpdate = msgspec.field(default_factory=KVUpdate)
     token_masks: TokenMasks | None = None
 
+    def lora_rows(self) -> list[tuple[LoRARequest | None, int]] | None:
+        """Each row's adapter and new tokens, if any row runs an adapter (every rank maps them)."""
+        if all(s.lora_request is None for s in self.seqs):
+            return None
+        return [(s.lora_request, s.num_new_tokens) for s in self.seqs]
+
     @classmethod
     def build(cls, out: SchedulerOutput, token_masks: TokenMasks | None = None) -> ModelInput:
         """The message of ``out`` (engine side: reads the scheduled Requests, once per row)."""

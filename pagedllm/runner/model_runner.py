@@ -275,18 +275,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_step(self, kv: KVUpdate, batch: HostBatch | None,
-                 loras: list[SeqInput] | None = None) -> torch.Tensor | None:
+                 loras: list[tuple[LoRARequest | None, int]] | None = None) -> torch.Tensor | None:
         """What every rank does in a step: the KV changes, then the forward of ``batch`` (None:
-        a KV-only step) with the LoRA adapters of ``loras`` (the step's rows: read from their
-        pages after the KV changes). Hidden states [T, hidden], or [B, hidden] from a decode
-        graph (steps without adapters only: a graph holds none).
+        a KV-only step) with the LoRA adapters of ``loras`` (per row: adapter, new tokens; read
+        from their pages after the KV changes). Hidden states [T, hidden], or [B, hidden] from a
+        decode graph (steps without adapters only: a graph holds none).
         Tensor-parallel workers receive this call from rank 0; their all-reduces pair up."""
         self.apply_kv_update(kv)
         if batch is None:
             return None
         lora = None if self.lora is None or not loras else self.lora.prepare(
-            [s.lora_request for s in loras], [s.num_new_tokens for s in loras], kv.lora_pages,
-            self.kv_cache.read_pages)
+            [r for r, _ in loras], [n for _, n in loras], kv.lora_pages, self.kv_cache.read_pages)
         if lora is None and self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)  # [B, hidden]: one row per decode request
         input_ids, positions, meta = self.uploader.metadata(batch)
@@ -305,7 +304,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             hb = self.prepare(sched)
             result.prepare_s = time.perf_counter() - t0
-        hidden = self.run_step(out.kv, hb, sched)
+        hidden = self.run_step(out.kv, hb, out.lora_rows())
         if hidden is None or hb is None:
             return result
 

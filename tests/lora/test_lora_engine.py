@@ -178,8 +178,6 @@ def test_lora_request_needs_enable_lora(lora_base: Path, adapters: dict[str, Pat
     with pytest.raises(ValueError, match="enable_lora=True"):
         llm.generate("t5 t6", GREEDY, use_tqdm=False,
                      lora_request=LoRARequest("a", 1, str(adapters["attn_r4"])))
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(str(lora_base), enable_lora=True, tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("spec", ["ngram", "draft_model"])
@@ -196,4 +194,14 @@ def test_speculative_decoding_with_adapters_matches_hf_peft(lora_base: Path, ada
                     speculative_config=cfg)
     stats = llm.kv_stats()
     assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    llm.engine.kv.check_integrity()
+
+
+def test_tensor_parallel_adapters_match_hf_peft(lora_base: Path, adapters: dict[str, Path]) -> None:
+    """TP=2 with a mixed batch of four adapters and the base: each rank holds its shard of every
+    adapter (B's rows of qkv / gate_up, A's columns of o / down, whose partial ``A x`` the ranks
+    sum), in its own KV pages; tokens equal HF + PEFT."""
+    llm = run_mixed(lora_base, _requests(adapters), _prompts(10), max_loras=2, max_cpu_loras=4,
+                    tensor_parallel_size=2)
+    assert llm.kv_stats()["lora_page_ins"] == 4
     llm.engine.kv.check_integrity()
