@@ -69,6 +69,29 @@ class EngineBackend:
         self.step_prepare_s: list[float] = []
         self.device = str(engine_kwargs.get("device") or "cpu")
         self.json_schema = json_schema
+        self.loras: dict[int, Any] = {}  # lora_id -> LoRARequest (random adapters, made once)
+        self._lora_dir: Any = None
+
+    def _adapters(self, reqs: list[BenchRequest]) -> dict[int, Any] | None:
+        """A random adapter of ``max_lora_rank`` for each ``lora_id`` in ``reqs``, written once
+        into a temporary directory (pagedllm/lora/random.py); None without LoRA (the requests
+        run the base model: ``--backends 'pagedllm,pagedllm[enable_lora=true]'`` compares)."""
+        import tempfile
+        from pathlib import Path
+
+        from pagedllm.lora.random import write_random_adapter
+        from pagedllm.lora.request import LoRARequest
+
+        cfg = self.engine.config
+        if cfg.lora is None:
+            return None
+        for i in sorted({r.lora_id for r in reqs if r.lora_id is not None} - set(self.loras)):
+            if self._lora_dir is None:
+                self._lora_dir = tempfile.TemporaryDirectory(prefix="pagedllm-bench-lora-")
+            path = write_random_adapter(cfg.model, Path(self._lora_dir.name) / f"a{i}",
+                                        cfg.lora.max_lora_rank, seed=i)
+            self.loras[i] = LoRARequest(f"bench-{i}", i, str(path))
+        return self.loras
 
     def run(self, reqs: list[BenchRequest]) -> RunResult:
         from pagedllm.engine.drive import drive
@@ -91,7 +114,7 @@ class EngineBackend:
             grammar_s[0] += eng.stats.grammar_mask_time_s
             grammar_s[1] += eng.stats.grammar_wait_time_s
 
-        subs = submissions(eng, reqs, prefix="b", structured_outputs=so,
+        subs = submissions(eng, reqs, prefix="b", loras=self._adapters(reqs), structured_outputs=so,
                            output_kind=RequestOutputKind.FINAL_ONLY)
         synchronize(self.device)
         m0, f0 = cpu_times(), minor_faults()

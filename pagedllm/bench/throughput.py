@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-kwargs", type=json.loads, default=None,
                    help="JSON object of extra vllm.LLM arguments, e.g. '{\"max_num_seqs\": 64}' "
                    "(default: vLLM's own defaults; dtype and max_model_len follow the engine)")
+    p.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                   help="request i runs random LoRA adapter i mod N (rank --max-lora-rank on every "
+                   "projection) on the pagedllm backends with LoRA on (--enable-lora, or "
+                   "pagedllm[enable_lora=true] beside the base: 'pagedllm,pagedllm[enable_lora=true]')")
     p.add_argument("--reps", type=int, default=3, help="repetitions per backend (the fastest is reported)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="HF generate static batch size")
     p.add_argument("--warmup", type=int, default=4, help="requests in each backend's warm-up run")
@@ -62,9 +67,16 @@ def run(a: argparse.Namespace) -> int:
     if bad or not names or len(set(names)) != len(names):
         raise ValueError(f"--backends {a.backends!r}: choose distinct names from {', '.join(BACKENDS)}")
     kw, spec, reqs, _ = workload(a)
+    if a.lora_adapters:
+        lora = [b for b in names if {**kw, **parse_backend(b)[1]}.get("enable_lora")]
+        if not lora or any(not b.startswith("pagedllm") for b in names):
+            raise ValueError("--lora-adapters runs on pagedllm backends only, at least one with "
+                             "LoRA on (--enable-lora or pagedllm[enable_lora=true])")
+        reqs = [replace(r, lora_id=1 + i % a.lora_adapters) for i, r in enumerate(reqs)]
     schema = None if a.json_schema is None else json.loads(Path(a.json_schema).read_text())
     res = run_throughput(reqs, spec, kw, names, a.reps, a.hf_batch_size, a.warmup,
                          a.vllm_python, a.vllm_kwargs, schema)
+    res["workload"]["lora_adapters"] = a.lora_adapters
     return show(report_throughput(res, a.output_dir, a.output_json, a.plot))
 
 

@@ -260,10 +260,12 @@ def code_prompts(tokenizer: Any, n: int, prompt_len: int) -> list[list[int]]:
 
 
 def submissions(engine: Any, reqs: list[BenchRequest], times: list[float] | None = None,
-                prefix: str = "w", **params: Any) -> list[Any]:
+                prefix: str = "w", loras: dict[int, Any] | None = None,
+                **params: Any) -> list[Any]:
     """``reqs`` as requests for ``drive``: greedy, ``ignore_eos`` (outputs of exactly
-    ``max_tokens``), ids ``{prefix}{index}``, arriving at ``times`` (default: all at once);
-    ``params``: more ``SamplingParams`` fields."""
+    ``max_tokens``), ids ``{prefix}{index}``, arriving at ``times`` (default: all at once), a
+    request with a ``lora_id`` run by ``loras[lora_id]`` (a ``LoRARequest``); ``params``: more
+    ``SamplingParams`` fields."""
     from pagedllm.engine.drive import Submission
     from pagedllm.sampling_params import SamplingParams
 
@@ -271,7 +273,8 @@ def submissions(engine: Any, reqs: list[BenchRequest], times: list[float] | None
     return [Submission(f"{prefix}{i}", partial(
         engine.add_request, prompt={"prompt_token_ids": r.prompt_token_ids},
         params=SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True,
-                              **params)), at[i])
+                              **params),
+        lora_request=None if r.lora_id is None or loras is None else loras[r.lora_id]), at[i])
         for i, r in enumerate(reqs)]
 
 

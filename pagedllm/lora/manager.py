@@ -21,12 +21,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pagedllm.layers.linear import RowParallelLinear
+from pagedllm.layers.linear import RowParallelLinear, gemm_dtypes
 from pagedllm.lora.adapter import SUPPORTED, LoRAError, LoRAWeights, load_adapter
 from pagedllm.lora.ops import DENSE_MAX_TOKENS, LoRAMapping, LoRAStack
 from pagedllm.lora.pages import PageLayout, layer_of, pack, page_layout, unpack
 from pagedllm.lora.request import LoRAConfig, LoRARequest
 from pagedllm.models.base import CausalLM
+
+
+def dtype_of(model: CausalLM) -> torch.dtype:
+    return next(iter(model.parameters())).dtype
 
 
 class LoRAManager:
@@ -42,7 +46,7 @@ class LoRAManager:
         for name, m in model.named_modules():
             if name.rpartition(".")[2] in names and isinstance(m, torch.nn.Linear):
                 sizes = list(getattr(m, "output_sizes", [m.out_features]))
-                dtype = next(iter(model.parameters())).dtype
+                dtype = dtype_of(model)
                 a = torch.zeros(s + 1, len(sizes) * r, m.in_features, dtype=dtype, device=device)
                 b = [torch.zeros(s + 1, o, r, dtype=dtype, device=device) for o in sizes]
                 offsets = [sum(sizes[:j]) for j in range(len(sizes))]
@@ -58,9 +62,12 @@ class LoRAManager:
         self.layouts: dict[int, PageLayout] = {}  # every known adapter's layout in its pages
         self.num_layers = 1 + max(map(layer_of, self.modules))  # every layer has the targets
         self.num_slot_loads = 0  # adapters copied from their pages into a slot
+        # the dense method's GEMMs on pagedllm's packed GEMM where it runs this dtype
+        self._gemm = device.type == "cpu" and dtype_of(model) in gemm_dtypes()
+        self._repack = False
         self.num_page_loads = 0  # adapters written into pages (from the host tier)
         self.page_bytes_loaded = 0
-        self.paging_s = 0.0  # time spent paging in and copying pages into slots
+        self.paging_s = 0.0  # time spent paging in, copying pages into slots, repacking slots
 
     @property
     def base_slot(self) -> int:
@@ -133,6 +140,12 @@ class LoRAManager:
         groups = [(s, (token_slots == s).nonzero().flatten().to(self.device), self.slot_targets[s])
                   for s in slot_of.values()]
         method = self.method or ("dense" if len(token_slots) <= DENSE_MAX_TOKENS else "loop")
+        if method == "dense" and self._repack:  # slots changed: repack them for the GEMM
+            t0 = time.perf_counter()
+            for stack in self.stacks.values():
+                stack.pack(self.base_slot)
+            self._repack = False
+            self.paging_s += time.perf_counter() - t0
         onehot = None
         if method == "dense":
             dtype = next(iter(self.stacks.values())).a.dtype
@@ -177,6 +190,9 @@ class LoRAManager:
             stack.b_flat[shard][slot * r:slot * r + w.rank].copy_(b.t())
         self.slot_targets[slot] = frozenset(self.modules[name] for name, _ in w.targets)
         self.num_slot_loads += 1
+        for stack in self.stacks.values():  # stale until repacked (prepare)
+            stack.packed_a = stack.packed_b = None
+        self._repack = self._gemm
 
 
 __all__ = ["LoRAError", "LoRAManager"]

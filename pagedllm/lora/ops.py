@@ -48,6 +48,16 @@ class LoRAStack:
     # a row-parallel linear under tensor parallelism: each rank holds its columns of A, so
     # ``h = x @ A.T`` is a partial sum, all-reduced (T x n*R values) before B multiplies it
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # "dense" on pagedllm's GEMM (kernels/csrc/gemm.cpp): A_flat [S*nR, in] and each B_flat_j.T
+    # [out_j, S*R] packed as weights, remade after a slot load (None: torch's matmuls)
+    packed_a: torch.Tensor | None = None
+    packed_b: list[torch.Tensor] | None = None
+
+    def pack(self, num_slots: int) -> None:
+        """Pack the slots' A and B for the dense method's GEMMs (after a slot load)."""
+        pack = torch.ops.pagedllm.pack_gemm_weight
+        self.packed_a = pack(self.a[:num_slots].flatten(0, 1))
+        self.packed_b = [pack(bf.t().contiguous()) for bf in self.b_flat]
 
 
 @dataclass
@@ -73,10 +83,16 @@ class LoRAMapping:
             assert self.onehot is not None
             s, r = self.onehot.shape[1], stack.rank
             a = stack.a[:s].flatten(0, 1)  # [S*nR, in]: the zero base slot left out
-            h = _sum(stack, x @ a.t()).view(x.shape[0], s, -1) * self.onehot  # [T, S, nR]
+            pa, pb = stack.packed_a, stack.packed_b
+            h = x @ a.t() if pa is None else _gemm(x, pa, a.shape[0])
+            h = _sum(stack, h).view(x.shape[0], s, -1) * self.onehot  # [T, S, nR]
             for j, (bf, off) in enumerate(zip(stack.b_flat, stack.offsets)):
                 hj = h[:, :, j * r:(j + 1) * r].reshape(x.shape[0], s * r)  # [T, S*R]
-                y[:, off:off + bf.shape[1]].addmm_(hj, bf)
+                out = y[:, off:off + bf.shape[1]]
+                if pb is None:
+                    out.addmm_(hj, bf)
+                else:
+                    out.add_(_gemm(hj, pb[j], bf.shape[1]))
             return y
         if self.method == "gather":
             return _gather(stack, self.token_slots, x, y)
@@ -104,3 +120,7 @@ def _sum(stack: LoRAStack, h: torch.Tensor) -> torch.Tensor:
     """``h = x @ A.T`` over every rank's columns of A (a row-parallel linear under tensor
     parallelism; every rank reduces in the same order: the same groups, the same linears)."""
     return h if stack.reduce is None else stack.reduce(h)
+
+
+def _gemm(x: torch.Tensor, packed: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.ops.pagedllm.gemm_packed(x.contiguous(), packed, width, None)

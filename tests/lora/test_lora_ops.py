@@ -19,8 +19,9 @@ def _reference(stack: LoRAStack, slots: list[int], x: torch.Tensor) -> torch.Ten
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("method", ["dense", "loop", "gather"])
+@pytest.mark.parametrize("method", ["dense", "dense-gemm", "loop", "gather"])
 def test_delta_matches_per_token_reference(method: str) -> None:
+    """``dense-gemm``: the dense method on pagedllm's packed GEMM (the engine's choice on CPU)."""
     torch.manual_seed(0)
     s, r, d, sizes = 3, 4, 16, [8, 4, 4]  # 3 slots + the zero base slot, a qkv-like linear
     a = torch.randn(s + 1, len(sizes) * r, d)
@@ -30,6 +31,13 @@ def test_delta_matches_per_token_reference(method: str) -> None:
         bj[s].zero_()
     b_flat = [bj[:s].transpose(1, 2).reshape(s * r, -1).contiguous() for bj in b]  # as the manager
     stack = LoRAStack(a, b, [0, 8, 12], r, b_flat)
+    if method == "dense-gemm":
+        from pagedllm.layers.linear import gemm_dtypes
+
+        if torch.float32 not in gemm_dtypes():
+            pytest.skip("pagedllm's CPU kernels are not built here")
+        stack.pack(s)
+        method = "dense"
     linear = nn.Linear(d, sum(sizes))
     slots = [2, 2, 0, 3, 0, 2, 1, 3, 3]  # base (3) and adapters interleaved
     x = torch.randn(len(slots), d)

@@ -1,0 +1,42 @@
+"""Random LoRA adapters in PEFT's on-disk format (``adapter_config.json`` +
+``adapter_model.safetensors``), for a base model's config: what ``pagedllm bench throughput
+--lora-adapters N`` runs when no real adapters are at hand. No PEFT needed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from pagedllm.config import ModelConfig
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_random_adapter(model: ModelConfig, path: Path, rank: int, seed: int) -> Path:
+    """A rank-``rank`` adapter on every projection of every layer, seeded; PEFT's scaling
+    ``lora_alpha / r`` = 2. B is small (std 0.02), so the outputs stay those of a sane model."""
+    h, i = model.hidden_size, model.intermediate_size
+    q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # (in, out)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(model.num_hidden_layers):
+        for proj, (n_in, n_out) in shapes.items():
+            group = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{group}.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) / n_in ** 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * 0.02
+    path.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS),
+        "bias": "none"}))
+    return path
+
+
+__all__ = ["TARGETS", "write_random_adapter"]
