@@ -12,7 +12,9 @@ Three ways to run it, same arithmetic (``LoRAMapping.method``):
   token's parts of other slots (a one-hot mask made once per step; the base's tokens: all), then
   per shard one GEMM with ``B_flat_j`` [S*R, out_j]: 2 + 2n ops per linear whatever the number
   of adapters, reading every slot's weights once. The fastest on small (decode) steps, where
-  per-op overhead and weight reads, not multiply-adds, are the cost (measured: README).
+  per-op overhead and weight reads, not multiply-adds, are the cost (measured: README). On CPU
+  both GEMMs run on pagedllm's packed GEMM (``LoRAStack.pack``, after a slot load), several
+  times faster than torch's matmuls at 8 rows (docs/features/lora.md).
 - ``"loop"`` (SGMV-like): for each adapter present in the step (<= max_loras), the rows of its
   tokens: ``h = x[rows] @ A[s].T``, ``y[rows, cols_j] += h[:, jR:(j+1)R] @ B_j[s].T``. Two small
   GEMMs per adapter and shard; no gathered weights. Used for steps with prefill chunks.
