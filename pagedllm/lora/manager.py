@@ -36,7 +36,8 @@ def dtype_of(model: CausalLM) -> torch.dtype:
 class LoRAManager:
     def __init__(self, model: CausalLM, config: LoRAConfig, device: torch.device,
                  method: str | None = None) -> None:
-        """``method``: force "loop" or "gather" (lora/ops.py); None picks by step size."""
+        """``method``: force "dense", "loop", "gather" or "triton" (lora/ops.py); None picks
+        "triton" on CUDA, else by step size."""
         self.model, self.config, self.method = model, config, method
         s, r = config.max_loras, config.max_lora_rank
         fused = type(model).FUSED_WEIGHTS
@@ -139,7 +140,8 @@ class LoRAManager:
         token_slots = torch.repeat_interleave(torch.tensor(per_req), torch.tensor(list(q_lens)))
         groups = [(s, (token_slots == s).nonzero().flatten().to(self.device), self.slot_targets[s])
                   for s in slot_of.values()]
-        method = self.method or ("dense" if len(token_slots) <= DENSE_MAX_TOKENS else "loop")
+        method = self.method or ("triton" if self.device.type == "cuda" else
+                                 "dense" if len(token_slots) <= DENSE_MAX_TOKENS else "loop")
         if method == "dense" and self._repack:  # slots changed: repack them for the GEMM
             t0 = time.perf_counter()
             for stack in self.stacks.values():

@@ -18,6 +18,8 @@ Three ways to run it, same arithmetic (``LoRAMapping.method``):
 - ``"loop"`` (SGMV-like): for each adapter present in the step (<= max_loras), the rows of its
   tokens: ``h = x[rows] @ A[s].T``, ``y[rows, cols_j] += h[:, jR:(j+1)R] @ B_j[s].T``. Two small
   GEMMs per adapter and shard; no gathered weights. Used for steps with prefill chunks.
+- ``"triton"`` (CUDA): the same per-token shapes as "gather" in two Triton kernels, shrink and
+  expand, with no gathered copies of the weights (lora/triton_ops.py).
 - ``"gather"`` (BGMV-like): gather every token's A and B by index and run batched mat-vecs
   (``torch.bmm``): one op per shard whatever the number of adapters; the gathered weights are
   [T, n*R, in] + [T, out, R]. Never picked by default (slower than "dense" on decode steps on
@@ -72,7 +74,7 @@ class LoRAMapping:
     token_slots: torch.Tensor
     groups: list[tuple[int, torch.Tensor, frozenset[nn.Module]]]
     stacks: dict[nn.Module, LoRAStack]
-    method: str  # "dense" | "loop" | "gather"
+    method: str  # "dense" | "loop" | "gather" | "triton"
     onehot: torch.Tensor | None = None  # [T, S, 1] in the model's dtype ("dense")
 
     def apply(self, linear: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -98,6 +100,13 @@ class LoRAMapping:
             return y
         if self.method == "gather":
             return _gather(stack, self.token_slots, x, y)
+        if self.method == "triton":  # CUDA (lora/triton_ops.py): shrink, then one expand per shard
+            from pagedllm.lora import triton_ops
+
+            h = _sum(stack, triton_ops.shrink(x, stack.a, self.token_slots))
+            for j, (b, off) in enumerate(zip(stack.b, stack.offsets)):
+                triton_ops.expand(h, b, self.token_slots, y, j * stack.rank, off)
+            return y
         r = stack.rank
         for slot, rows, targets in self.groups:
             if linear not in targets:

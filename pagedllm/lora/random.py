@@ -14,9 +14,10 @@ from pagedllm.config import ModelConfig
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_random_adapter(model: ModelConfig, path: Path, rank: int, seed: int) -> Path:
+def write_random_adapter(model: ModelConfig, path: Path, rank: int, seed: int,
+                         b_std: float = 0.02) -> Path:
     """A rank-``rank`` adapter on every projection of every layer, seeded; PEFT's scaling
-    ``lora_alpha / r`` = 2. B is small (std 0.02), so the outputs stay those of a sane model."""
+    ``lora_alpha / r`` = 2. B is small (``b_std``), so the outputs stay those of a sane model."""
     h, i = model.hidden_size, model.intermediate_size
     q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
     shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
@@ -28,7 +29,7 @@ def write_random_adapter(model: ModelConfig, path: Path, rank: int, seed: int) -
             group = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             key = f"base_model.model.model.layers.{layer}.{group}.{proj}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) / n_in ** 0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * 0.02
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * b_std
     path.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
 

@@ -147,3 +147,29 @@ def test_int8_kv_cache_on_the_gpu(tiny_models: dict[str, Path]) -> None:
     ref, got = _top1(full, seqs), _top1(LLM(kv_cache_dtype="int8", **kw), seqs)
     assert len(ref) == len(got) == sum(len(s) - 1 for s in seqs) == 267
     assert sum(a == b for a, b in zip(ref, got)) >= 0.98 * len(ref)
+
+
+def test_lora_adapters_on_cuda_match_hf_peft(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """Mixed adapters on the GPU (the Triton LoRA kernels, lora/triton_ops.py) equal HF + PEFT."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm import LoRARequest
+    from pagedllm.config import ModelConfig
+    from pagedllm.lora.random import write_random_adapter
+
+    path = tiny_models["llama"]
+    cfg = ModelConfig.from_hf(str(path), "float32")
+    paths = [write_random_adapter(cfg, tmp_path / f"a{i}", 8, i, b_std=0.5) for i in range(3)]
+    llm = LLM(str(path), enable_lora=True, max_lora_rank=8, max_loras=3, dtype="float32", **SMALL)
+    loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+    got = llm.generate([{"prompt_token_ids": p} for p in ID_PROMPTS[:3]], GREEDY, use_tqdm=False,
+                       lora_request=loras)
+    for out, p, adapter in zip(got, ID_PROMPTS, paths):
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, adapter).cuda().eval()
+        with torch.no_grad():
+            ids = torch.tensor([p], device="cuda")
+            want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):]
+        assert list(out.outputs[0].token_ids) == want.tolist()
