@@ -197,7 +197,7 @@ class EngineClient:
         accepted: asyncio.Future[None] = self._loop.create_future()
         self._accepts[request_id] = accepted
         self._streams[request_id] = stream
-        self.output.add(request_id, None, ids, params, arrival)
+        self.output.add(request_id, None, ids, params, arrival, lora_name)
         self._send(EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
                                      sampling_params=params, arrival_time=arrival,
                                      priority=priority, lora_id=lora_name))

@@ -74,6 +74,7 @@ class _Group:
     sent_prompt_logprobs: bool = False
     last_token_time: float | None = None
     beam: bool = False
+    lora_name: str | None = None  # the LoRA adapter it runs (its metrics' label)
 
     @property
     def finished(self) -> bool:
@@ -96,13 +97,14 @@ class OutputProcessor:
         return len(self.groups)
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int],
-            params: SamplingParams, arrival: float) -> None:
+            params: SamplingParams, arrival: float, lora_name: str | None = None) -> None:
         seqs = [SeqOutput(i, params, IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output,
             params.skip_special_tokens), logprobs=[] if params.logprobs is not None else None)
             for i in range(params.n)]
         group = _Group(request_id, prompt, prompt_ids, seqs, arrival, params.output_kind,
-                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                       lora_name=lora_name)
         self.groups[request_id] = group
         for sid, s in zip(sequence_ids(request_id, params.n), seqs):
             self._seqs[sid] = (group, s)
@@ -152,6 +154,9 @@ class OutputProcessor:
                     produced.add(group.request_id)
                 if self._add_tokens(seq, out, stats, now):
                     done.aborts.append(out.request_id)
+                if group.lora_name is not None:  # per adapter, for its metrics
+                    tokens = stats.lora_generation_tokens
+                    tokens[group.lora_name] = tokens.get(group.lora_name, 0) + len(out.new_token_ids)
         for group in touched.values():
             finished = group.finished
             _record_events(group, now, group.request_id in produced, finished, stats)
@@ -297,4 +302,6 @@ def _record_events(group: _Group, now: float, produced: bool, finished: bool,
         group.last_token_time = now
     if finished:
         stats.e2e_latency_s.append(now - group.arrival_time)
+        if group.lora_name is not None:
+            stats.lora_e2e_latency_s.append((group.lora_name, now - group.arrival_time))
         stats.finish_reasons += [s.finish_reason or "abort" for s in group.seqs]

@@ -312,7 +312,7 @@ class DPClient(ElasticReplicas, EngineClient):
         self.policy.finished(route.replica, route.hashes)
         params = req.sampling_params
         self.output.remove(rid)  # whatever it processed of the dead replica's outputs
-        self.output.add(rid, None, req.prompt_token_ids, params, req.arrival_time)
+        self.output.add(rid, None, req.prompt_token_ids, params, req.arrival_time, req.lora_id)
         self.num_retried += 1
         try:
             self._route(req)

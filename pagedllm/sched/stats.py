@@ -124,6 +124,9 @@ class StepStats:
     # LoRA on: the adapters of the running and the waiting (or swapped) requests, by name
     running_loras: list[str] = field(default_factory=list)
     waiting_loras: list[str] = field(default_factory=list)
+    # the step's request events by adapter name (the front end's output processing)
+    lora_generation_tokens: dict[str, int] = field(default_factory=dict)
+    lora_e2e_latency_s: list[tuple[str, float]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
