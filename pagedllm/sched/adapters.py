@@ -32,6 +32,13 @@ class AdapterResidency:
                 return False
         return True
 
+    def fork_hold(self, req: Request) -> int | None:
+        """``holds.fork(req)`` (it runs at once on a held request's blocks) once its adapter is
+        resident; None (it queues as any request) if the adapter cannot be paged in now."""
+        if req.fork_of not in self.holds.held or not self.make_resident(req):
+            return None
+        return self.holds.fork(req)
+
     def page_out_idle(self, also: Request | None = None) -> bool:
         """Free an idle adapter's pages for the KV cache (before anything is preempted)."""
         return self.enabled and self.pages.evict_idle(self.in_use(also)) is not None

@@ -88,7 +88,7 @@ class Scheduler:
                 raise ValueError(f"request_id {r.request_id!r} is already in use")
         check_fits(self.config, self.kv, req.num_prompt_tokens)  # a prompt never served fails now
         check_adapter_fits(self.config, self.kv, req)  # its LoRA adapter's pages beside its KV
-        kept = None if forks else self.holds.fork(req)  # its arrival_seq, if it forked a hold
+        kept = None if forks else self.adapters.fork_hold(req)  # its arrival_seq, if it forked one
         if req.num_prompt_tokens < 2:  # nothing to share: queue them as independent requests
             reqs, forks = [req, *forks], []
         else:
@@ -229,9 +229,9 @@ class Scheduler:
         """Tokens allocated for ``req`` (``n``, or a shorter windowed chunk); 0 if it was
         preempted itself."""
         while not (got := self._allocate_chunk(req, req.num_computed_tokens, n)):
-            if self.holds.release_oldest():  # held KV goes before any running request
+            if self.adapters.page_out_idle():  # idle adapters' pages go first (a cache),
                 continue
-            if self.adapters.page_out_idle():  # so do idle adapters' pages
+            if self.holds.release_oldest():  # then held KV, before any running request
                 continue
             victim = self.running[-1]  # least urgent: sorted by (priority, arrival)
             self._preempt(victim, out)
@@ -255,7 +255,7 @@ class Scheduler:
                 continue
             if from_host:
                 used = self._swap_in(req, out, budget)
-                if used is None and (self.holds.release_oldest() or self.adapters.page_out_idle(req)):
+                if used is None and (self.adapters.page_out_idle(req) or self.holds.release_oldest()):
                     continue
                 if used is None:
                     refund = self._preempt_for(req, out)
@@ -278,7 +278,7 @@ class Scheduler:
             if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = self._allocate_chunk(req, computed, min(n, budget), prefix)
-            if not n and (self.holds.release_oldest() or self.adapters.page_out_idle(req)):
+            if not n and (self.adapters.page_out_idle(req) or self.holds.release_oldest()):
                 continue
             if not n:
                 refund = self._preempt_for(req, out)

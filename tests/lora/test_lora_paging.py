@@ -267,3 +267,26 @@ def test_planner_replay_pages_adapters_as_the_engine_does(lora_base: Path, tmp_p
     assert (res.num_steps, res.num_preemptions, res.lora_page_ins, res.lora_page_outs) == \
         (engine.scheduler.num_steps, engine.scheduler.num_preemptions, pool.num_loads,
          pool.num_evictions)
+
+
+def test_a_fork_of_a_held_request_pages_its_adapter_in_first() -> None:
+    """A ``fork_of`` request starts at once on the held blocks; its adapter, paged out while
+    the request was held, is paged in first (else the step would run an adapter with no pages)."""
+    sched = _scheduler(20, max_loras=1)
+    for i in (1, 2):
+        sched.kv.adapters.register(i, 6)
+    a = Request("a", list(range(5, 15)), SamplingParams(max_tokens=1, ignore_eos=True))
+    a.lora_request, a.keep_kv_s = _lora(1), 30.0
+    sched.add_request(a)
+    _drive(sched)  # a finishes; its 3 blocks are held, adapter 1 idle
+    b = Request("b", list(range(5, 29)), SamplingParams(max_tokens=2, ignore_eos=True))
+    b.lora_request = _lora(2)  # 6 pages + 7 KV blocks beside the hold's 3: adapter 1 goes
+    sched.add_request(b)
+    _drive(sched)
+    assert sched.kv.adapters.resident == [2] and "a" in sched.holds
+    fork = Request("f", list(range(5, 15)) + [7], SamplingParams(max_tokens=2, ignore_eos=True))
+    fork.lora_request, fork.fork_of = _lora(1), "a"
+    sched.add_request(fork)
+    assert fork in sched.running and fork.num_computed_tokens == 10
+    out = _drive(sched)[0]
+    assert out.kv.lora_loads and out.kv.lora_loads[0][0] == 1
