@@ -256,3 +256,17 @@ def test_server_modules_import_no_engine_internals() -> None:
                    for p in SERVER_FORBIDDEN_PACKAGES):
                 bad.append(f"{name} imports {m}")
     assert not bad, "the server imports engine internals (use the EngineClient): " + "; ".join(bad)
+
+
+def test_no_merge_conflict_markers() -> None:
+    """No ``<<<<<<<`` / ``>>>>>>>`` line left by a merge in the sources, tests, docs or scripts
+    (one sat in docs/design/engine-core.md, rendered as text by the docs site)."""
+    root = PKG.parent
+    kinds = (".py", ".md", ".cpp", ".h", ".sh", ".html", ".yml", ".toml", "")
+    files = [p for top in ("pagedllm", "tests", "docs", "scripts", ".ci")
+             for p in (root / top).rglob("*") if p.is_file() and p.suffix in kinds]
+    files += [root / "README.md", root / "pyproject.toml", root / "mkdocs.yml"]
+    marked = [f"{p.relative_to(root)}:{i + 1}" for p in files if p.is_file()
+              for i, line in enumerate(p.read_text(errors="replace").splitlines())
+              if line.startswith(("<<<<<<< ", ">>>>>>> "))]
+    assert marked == [], f"merge-conflict markers at {marked}"
