@@ -293,15 +293,20 @@ def _record_events(group: _Group, now: float, produced: bool, finished: bool,
                    stats: StepStats) -> None:
     """A request that produced tokens this step (``produced``) or ended: its first-token or
     inter-token latency, and its end-to-end latency and finish reasons when it is done."""
+    name = group.lora_name
     if produced:
         if group.last_token_time is None:
             stats.time_to_first_token_s.append(now - group.arrival_time)
             stats.num_prompt_tokens += len(group.prompt_token_ids)
+            if name is not None:
+                stats.lora_ttft_s.append((name, now - group.arrival_time))
         else:
             stats.inter_token_latency_s.append(now - group.last_token_time)
+            if name is not None:
+                stats.lora_itl_s.append((name, now - group.last_token_time))
         group.last_token_time = now
     if finished:
         stats.e2e_latency_s.append(now - group.arrival_time)
-        if group.lora_name is not None:
-            stats.lora_e2e_latency_s.append((group.lora_name, now - group.arrival_time))
+        if name is not None:
+            stats.lora_e2e_latency_s.append((name, now - group.arrival_time))
         stats.finish_reasons += [s.finish_reason or "abort" for s in group.seqs]

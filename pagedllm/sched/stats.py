@@ -126,6 +126,8 @@ class StepStats:
     waiting_loras: list[str] = field(default_factory=list)
     # the step's request events by adapter name (the front end's output processing)
     lora_generation_tokens: dict[str, int] = field(default_factory=dict)
+    lora_ttft_s: list[tuple[str, float]] = field(default_factory=list)
+    lora_itl_s: list[tuple[str, float]] = field(default_factory=list)
     lora_e2e_latency_s: list[tuple[str, float]] = field(default_factory=list)
 
     @property

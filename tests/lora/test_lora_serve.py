@@ -246,6 +246,8 @@ def test_lora_metrics_and_every_block_back(served: str) -> None:
     # tokens and end-to-end latency by adapter (the front end's output processing)
     assert value("pagedllm:lora_generation_tokens_total", 'lora_name="attn_r4"') >= 4
     assert value("pagedllm:lora_e2e_request_latency_seconds_count", 'lora_name="attn_r4"') >= 4
+    assert value("pagedllm:lora_time_to_first_token_seconds_count", 'lora_name="attn_r4"') >= 4
+    assert value("pagedllm:lora_inter_token_latency_seconds_count", 'lora_name="attn_r4"') >= 4
     state = httpx.get(served + "/kv/state", headers=HEADERS, timeout=30).json()["state"]
     assert state["tables"] == {} and state["requests"] == []
     # free, free and cached, or the pages of an adapter that stays resident until the pool needs
