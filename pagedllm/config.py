@@ -178,6 +178,14 @@ class ModelConfig:
         return None if self.full_attention_layers else self.sliding_window
 
     @property
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """A layer's projections' (in, out) features, whole: LoRA's A [r, in] and B [out, r]."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @property
     def dtype_bytes(self) -> int:
         """Bytes per element at the model dtype."""
         return 4 if self.dtype == "float32" else 2

@@ -4,8 +4,8 @@ base model alone (issue 29's target: >= 0.7x), side by side, reps interleaved.
     python scripts/lora_throughput.py                         # the shipped model
     python scripts/lora_throughput.py --model /tmp/llama-100m --batch 8 --max-tokens 64
 
-Adapters: random PEFT adapters (rank --rank on q/k/v/o/gate/up/down, saved with PEFT's
-save_pretrained into a temporary directory). ``--methods`` times the delta's three ways
+Adapters: random adapters in PEFT's format (rank --rank on q/k/v/o/gate/up/down,
+pagedllm/lora/random.py, into a temporary directory). ``--methods`` times the delta's three ways
 (pagedllm/lora/ops.py): auto (by step size), dense, loop, gather; base-unfused is the
 base model with the fused decoder-layer ops off, the path a step with adapters takes.
 
@@ -26,24 +26,17 @@ from pathlib import Path
 import torch  # noqa: E402
 
 from pagedllm import LLM, LoRARequest, SamplingParams, kernels  # before torch (_openmp.py)
-from pagedllm.config import default_model_path
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from pagedllm.config import ModelConfig, default_model_path
+from pagedllm.lora.random import write_random_adapter
 
 
 def make_adapters(model: str, root: Path, n: int, rank: int) -> list[LoRARequest]:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    out = []
-    for i in range(n):
-        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-        torch.manual_seed(i)
-        m = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
-                                            init_lora_weights=False))
-        m.save_pretrained(root / f"a{i}")
-        out.append(LoRARequest(f"a{i}", i + 1, str(root / f"a{i}")))
-    return out
+    """``n`` random rank-``rank`` adapters on every projection, in PEFT's format
+    (pagedllm/lora/random.py; B's std 0.1)."""
+    cfg = ModelConfig.from_hf(model, "auto")
+    return [LoRARequest(f"a{i}", i + 1, str(write_random_adapter(cfg, root / f"a{i}", rank, i,
+                                                                 b_std=0.1)))
+            for i in range(n)]
 
 
 def main() -> None:

@@ -216,7 +216,8 @@ class MultiprocExecutor(Executor):
         t0 = time.perf_counter()
         hb = self.driver.prepare(step.seqs) if step.seqs else None
         prepare_s = time.perf_counter() - t0
-        self._call(ModelRunner.run_step.__name__, (step.kv, hb, step.lora_rows()), {}, reply=False)
+        loras = None if self.driver.lora is None else step.lora_rows()
+        self._call(ModelRunner.run_step.__name__, (step.kv, hb, loras), {}, reply=False)
         result = self._on_driver(self.driver.execute, step, hb)
         result.prepare_s = prepare_s
         if hb is not None:

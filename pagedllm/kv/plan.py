@@ -75,11 +75,9 @@ def lora_blocks_per_adapter(model: ModelConfig, cache: CacheConfig, rank: int) -
     """KV blocks a LoRA adapter of ``rank`` on all seven projections takes in the pool, at the
     model's dtype (lora/pages.py: per layer A [r, in] and B [out, r] of every target, laid
     end to end over the block's bytes in that layer; the runner measures each real adapter)."""
-    h, i = model.hidden_size, model.intermediate_size
-    q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
-    # qkv: A 3 x [r, h], B [q + 2 kv, r]; o: A [r, q], B [h, r]; gate/up: A 2 x [r, h],
-    # B 2 x [i, r]; down: A [r, i], B [h, r]
-    layer_bytes = rank * (7 * h + 2 * q + 2 * kv + 3 * i) * model.dtype_bytes
+    # per projection A [r, in] and B [out, r]
+    layer_bytes = rank * sum(n_in + n_out for n_in, n_out in model.projection_shapes.values())
+    layer_bytes *= model.dtype_bytes
     page = cache.kv_bytes_per_block(model) // model.num_hidden_layers
     return -(-layer_bytes // page)
 

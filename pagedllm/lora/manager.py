@@ -29,16 +29,14 @@ from pagedllm.lora.request import LoRAConfig, LoRARequest
 from pagedllm.models.base import CausalLM
 
 
-def dtype_of(model: CausalLM) -> torch.dtype:
-    return next(iter(model.parameters())).dtype
-
-
 class LoRAManager:
     def __init__(self, model: CausalLM, config: LoRAConfig, device: torch.device,
                  method: str | None = None) -> None:
         """``method``: force "dense", "loop", "gather" or "triton" (lora/ops.py); None picks
         "triton" on CUDA, else by step size."""
         self.model, self.config, self.method = model, config, method
+        # the model's dtype: the slots', the pages' and the one-hot mask's
+        self.dtype = dtype = next(iter(model.parameters())).dtype
         s, r = config.max_loras, config.max_lora_rank
         fused = type(model).FUSED_WEIGHTS
         names = {fused.get(p, (p, 0))[0] for p in SUPPORTED}
@@ -47,7 +45,6 @@ class LoRAManager:
         for name, m in model.named_modules():
             if name.rpartition(".")[2] in names and isinstance(m, torch.nn.Linear):
                 sizes = list(getattr(m, "output_sizes", [m.out_features]))
-                dtype = dtype_of(model)
                 a = torch.zeros(s + 1, len(sizes) * r, m.in_features, dtype=dtype, device=device)
                 b = [torch.zeros(s + 1, o, r, dtype=dtype, device=device) for o in sizes]
                 offsets = [sum(sizes[:j]) for j in range(len(sizes))]
@@ -64,7 +61,7 @@ class LoRAManager:
         self.num_layers = 1 + max(map(layer_of, self.modules))  # every layer has the targets
         self.num_slot_loads = 0  # adapters copied from their pages into a slot
         # the dense method's GEMMs on pagedllm's packed GEMM where it runs this dtype
-        self._gemm = device.type == "cpu" and dtype_of(model) in gemm_dtypes()
+        self._gemm = device.type == "cpu" and dtype in gemm_dtypes()
         self._repack = False
         self.num_page_loads = 0  # adapters written into pages (from the host tier)
         self.page_bytes_loaded = 0
@@ -84,7 +81,7 @@ class LoRAManager:
             raise LoRAError(f"LoRA adapter {req.lora_name!r}: lora_int_id={req.lora_int_id} is "
                             f"already adapter {old.lora_name!r} ({old.lora_path}); give each "
                             "adapter its own id")
-        layout = page_layout(self._host_weights(req), next(iter(self.stacks.values())).a.dtype)
+        layout = page_layout(self._host_weights(req), self.dtype)
         n = layout.num_pages(page_bytes)
         if n > pool_blocks:
             raise LoRAError(f"LoRA adapter {req.lora_name!r}: its weights take {n} KV blocks "
@@ -150,8 +147,8 @@ class LoRAManager:
             self.paging_s += time.perf_counter() - t0
         onehot = None
         if method == "dense":
-            dtype = next(iter(self.stacks.values())).a.dtype
-            onehot = torch.nn.functional.one_hot(token_slots, self.base_slot + 1)[:, :-1].to(dtype)
+            onehot = torch.nn.functional.one_hot(token_slots, self.base_slot + 1)[:, :-1]
+            onehot = onehot.to(self.dtype)
             onehot = onehot.unsqueeze(-1).to(self.device)  # [T, S, 1]: base tokens all zero
         return LoRAMapping(token_slots.to(self.device), groups, self.stacks, method, onehot)
 

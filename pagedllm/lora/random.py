@@ -10,18 +10,14 @@ from pathlib import Path
 import torch
 
 from pagedllm.config import ModelConfig
-
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from pagedllm.lora.adapter import SUPPORTED
 
 
 def write_random_adapter(model: ModelConfig, path: Path, rank: int, seed: int,
                          b_std: float = 0.02) -> Path:
     """A rank-``rank`` adapter on every projection of every layer, seeded; PEFT's scaling
     ``lora_alpha / r`` = 2. B is small (``b_std``), so the outputs stay those of a sane model."""
-    h, i = model.hidden_size, model.intermediate_size
-    q, kv = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # (in, out)
+    shapes = model.projection_shapes  # (in, out)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(model.num_hidden_layers):
@@ -35,9 +31,9 @@ def write_random_adapter(model: ModelConfig, path: Path, rank: int, seed: int,
 
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS),
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(SUPPORTED),
         "bias": "none"}))
     return path
 
 
-__all__ = ["TARGETS", "write_random_adapter"]
+__all__ = ["write_random_adapter"]

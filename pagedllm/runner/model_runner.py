@@ -304,7 +304,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             hb = self.prepare(sched)
             result.prepare_s = time.perf_counter() - t0
-        hidden = self.run_step(out.kv, hb, out.lora_rows())
+        hidden = self.run_step(out.kv, hb, None if self.lora is None else out.lora_rows())
         if hidden is None or hb is None:
             return result
 

@@ -290,3 +290,29 @@ def test_a_fork_of_a_held_request_pages_its_adapter_in_first() -> None:
     assert fork in sched.running and fork.num_computed_tokens == 10
     out = _drive(sched)[0]
     assert out.kv.lora_loads and out.kv.lora_loads[0][0] == 1
+
+
+def test_an_adapter_or_request_the_pool_can_never_hold_is_refused_and_the_engine_serves_on(
+        lora_base: Path, tmp_path: Path) -> None:
+    """Through the engine: an adapter bigger than the pool, then a request whose adapter and KV
+    never fit together; each a ValueError naming the adapter, nothing queued, every block back,
+    and the next request runs with HF + PEFT's tokens."""
+    (path,) = _many_adapters(lora_base, tmp_path, 1)  # rank 8: 5 blocks of 16 tokens
+    small = LLM(str(lora_base), enable_lora=True, max_lora_rank=8, num_kv_blocks=4, block_size=16,
+                dtype="float32", max_model_len=64)
+    with pytest.raises(ValueError, match="'big': its weights take 5 KV blocks .* the pool has 4"):
+        small.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False,
+                       lora_request=LoRARequest("big", 1, str(path)))
+    llm = LLM(str(lora_base), enable_lora=True, max_lora_rank=8, num_kv_blocks=8, block_size=16,
+              dtype="float32", max_model_len=64)
+    lr = LoRARequest("a0", 1, str(path))
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # 60 tokens: 4 blocks
+    with pytest.raises(ValueError, match="'a0': its weights take 5 KV blocks and this request up to 4"):
+        llm.generate([{"prompt_token_ids": list(range(5, 25))}], long, use_tqdm=False, lora_request=lr)
+    kv = llm.engine.kv
+    assert not llm.engine.core.scheduler.requests
+    assert kv.num_free_blocks + kv.adapters.num_blocks == kv.num_blocks
+    prompt = [5, 9, 17, 33]
+    got = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False, lora_request=lr)
+    assert list(got[0].outputs[0].token_ids) == _hf_peft(lora_base, [path], [prompt])[0]
+    kv.check_integrity()
