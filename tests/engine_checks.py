@@ -3,6 +3,7 @@ lengths checked first (``zip`` alone passes when the engine returns nothing)."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -122,3 +123,15 @@ def step_until_idle(engine: Any, prompts: Sequence[list[int]], params: Any,
             after_step(step)
     assert not engine.has_unfinished_requests()
     return done
+
+
+def repetitive_prompts(n: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
+    """Prompts that repeat a random phrase (as code repeats names), with a random tail: the
+    lookup finds matches, and the random model's continuation often leaves them."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(4, vocab) for _ in range(rng.randrange(3, 9))]
+        tail = [rng.randrange(4, vocab) for _ in range(rng.randrange(0, 6))]
+        out.append(phrase * rng.randrange(2, 5) + tail)
+    return out

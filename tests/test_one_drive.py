@@ -13,7 +13,10 @@ places call it in a loop:
 The single calls: ``LLMEngine.step`` (the front end's step wraps the core's), ``CoreService.step``
 (one step as a message handler of the core process), and ``planner/calibrate.py _Runner._step``
 (times one step of a batch composition the calibration grid built; it decides every step's
-contents, so it is not a drive over a workload).
+contents, so it is not a drive over a workload). The planner's replay is ``drive`` over a
+``SimulatedEngine``, whose ``step`` is the core's step on a simulated executor; the
+data-parallel plan (``planner/dp.py``) steps N of them, each on its own clock, behind a router,
+which one drive over one engine cannot do.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from pagedllm.engine.drive import Clock, Submission, drive
 PKG = Path(__file__).resolve().parents[1] / "pagedllm"
 IN_A_LOOP = {("engine/drive.py", "drive"), ("engine/core_proc.py", "CoreLoop.run")}
 SINGLE = {("engine/core.py", "LLMEngine.step"), ("engine/core_proc.py", "CoreService.step"),
-          ("planner/calibrate.py", "_Runner._step")}
+          ("planner/calibrate.py", "_Runner._step"),
+          ("planner/sim_engine.py", "SimulatedEngine.step"),
+          ("planner/dp.py", "_replay_routed.advance")}
 NOT_AN_ENGINE = {"profiler"}  # torch.profiler's step()
 
 

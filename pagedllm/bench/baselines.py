@@ -47,6 +47,7 @@ class RunResult:
     generated_tokens: int  # tokens the backend computed, incl. waste (HF static-batch tails)
     outputs: list[list[int]] = field(default_factory=list, repr=False)
     stats: dict[str, Any] = field(default_factory=dict)
+    sequences: list[list[list[int]]] | None = field(default=None, repr=False)  # every one of n
 
 
 class EngineBackend:
@@ -123,8 +124,10 @@ class EngineBackend:
         synchronize(self.device)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         m1 = cpu_times()
-        outs = [list(o.outputs[0].token_ids) for o in res.in_order([r.request_id for r in subs])]
-        n_out = sum(len(o) for o in outs)
+        seqs = [[list(c.token_ids) for c in sorted(o.outputs, key=lambda c: c.index)]
+                for o in res.in_order([r.request_id for r in subs])]
+        outs = [q[0] for q in seqs]  # the first sequence, as the other backends give
+        n_out = sum(len(t) for q in seqs for t in q)
         stats = trace.summary()
         stats["prefix_cache_hit_rate"] = eng.kv.stats.hit_rate
         stats["num_preemptions"] = eng.num_preemptions - preempted_before
@@ -138,7 +141,7 @@ class EngineBackend:
         if so is not None:  # llguidance's time computing masks, and the part sampling waited for
             stats["grammar_mask_s"], stats["grammar_wait_s"] = grammar_s
         return RunResult(self.name, elapsed, len(reqs), sum(r.prompt_len for r in reqs), n_out,
-                         n_out, outs, stats)
+                         n_out, outs, stats, seqs)
 
 
 def minor_faults() -> int:

@@ -23,7 +23,7 @@ from pagedllm.bench.device import device_name
 from pagedllm.bench.harness import interleaved, timing
 from pagedllm.bench.report import format_table, machine_info, plot, write_json
 from pagedllm.bench.vllm_backend import find_vllm_python, make_vllm_backend
-from pagedllm.bench.workload import BenchRequest, WorkloadSpec, summarize
+from pagedllm.bench.workload import BenchRequest, WorkloadSpec, summarize, write_trace
 
 COLUMNS = ("backend", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "elapsed_s",
            "peak_running", "num_preemptions", "num_steps", "kv_utilization")
@@ -56,6 +56,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=4, help="requests in each backend's warm-up run")
     p.add_argument("--json-schema", default=None, metavar="FILE", help="backend pagedllm-json: "
                    "this schema on every request (default: records that run to max_tokens)")
+    p.add_argument("--record-trace", default=None, metavar="FILE",
+                   help="write the workload as a trace JSONL with the tokens the first pagedllm "
+                   "backend generated (its first repetition): `pagedllm plan --trace FILE` then "
+                   "replays them token for token, speculative decoding included")
     add_workload_command_args(p, 64)
 
 
@@ -75,7 +79,7 @@ def run(a: argparse.Namespace) -> int:
         reqs = [replace(r, lora_id=1 + i % a.lora_adapters) for i, r in enumerate(reqs)]
     schema = None if a.json_schema is None else json.loads(Path(a.json_schema).read_text())
     res = run_throughput(reqs, spec, kw, names, a.reps, a.hf_batch_size, a.warmup,
-                         a.vllm_python, a.vllm_kwargs, schema)
+                         a.vllm_python, a.vllm_kwargs, schema, a.record_trace)
     res["workload"]["lora_adapters"] = a.lora_adapters
     return show(report_throughput(res, a.output_dir, a.output_json, a.plot))
 
@@ -91,8 +95,10 @@ def run_throughput(
     vllm_python: str | None = None,
     vllm_kwargs: dict[str, Any] | None = None,
     json_schema: dict[str, Any] | None = None,
+    record_trace: str | None = None,
 ) -> dict[str, Any]:
-    """``json_schema``: the schema of backend ``pagedllm-json`` (default ``BENCH_SCHEMA``)."""
+    """``json_schema``: the schema of backend ``pagedllm-json`` (default ``BENCH_SCHEMA``);
+    ``record_trace``: a trace file of ``reqs`` with what the first pagedllm backend generated."""
     built: list[Any] = []
     try:
         for b in backends:
@@ -105,33 +111,12 @@ def run_throughput(
             if hasattr(b, "close"):
                 b.close()
 
-    results = []
-    for name in backends:
-        rs = runs[name]
-        best = min(rs, key=lambda r: r.elapsed_s)  # the fastest repetition (bench.harness)
-        t = best.elapsed_s
-        row: dict[str, Any] = {
-            "backend": name,
-            "requests_per_s": best.num_requests / t,
-            "output_tokens_per_s": best.output_tokens / t,
-            "total_tokens_per_s": (best.prompt_tokens + best.output_tokens) / t,
-            **timing([r.elapsed_s for r in rs]),
-            "num_requests": best.num_requests,
-            "prompt_tokens": best.prompt_tokens,
-            "output_tokens": best.output_tokens,
-            "generated_tokens": best.generated_tokens,
-            **best.stats,
-        }
-        if all(r.stats.get("cpu_s", 0) > 0 for r in rs):  # CPU time of the backend's processes
-            row["cpu_s"] = min(r.stats["cpu_s"] for r in rs)
-            row["cpu_s_all"] = [r.stats["cpu_s"] for r in rs]
-            row["output_tokens_per_cpu_s"] = best.output_tokens / row["cpu_s"]
-        if all("machine_cpu_s" in r.stats and "cpu_s" in r.stats for r in rs):
-            # what every other process used meanwhile (another backend's idle processes too)
-            row["other_cpu_s_all"] = [max(0.0, r.stats["machine_cpu_s"] - r.stats["cpu_s"])
-                                      for r in rs]
-        results.append(row)
-
+    if record_trace is not None:
+        seqs = next((rs[0].sequences for rs in runs.values() if rs[0].sequences), None)
+        if seqs is None:
+            raise ValueError("--record-trace needs a pagedllm backend")
+        write_trace(record_trace, reqs, seqs)
+    results = [_row(name, runs[name]) for name in backends]
     ref = "pagedllm" if "pagedllm" in backends else backends[0]
     by = {r["backend"]: r for r in results}
     ratios = {
@@ -159,6 +144,33 @@ def run_throughput(
         "engine": {k: v for k, v in engine_kwargs.items() if v is not None},
         "machine": machine_info(),
     }
+
+
+def _row(name: str, rs: list[Any]) -> dict[str, Any]:
+    """One backend's result row: its fastest repetition, timings over all of them."""
+    best = min(rs, key=lambda r: r.elapsed_s)  # the fastest repetition (bench.harness)
+    t = best.elapsed_s
+    row: dict[str, Any] = {
+        "backend": name,
+        "requests_per_s": best.num_requests / t,
+        "output_tokens_per_s": best.output_tokens / t,
+        "total_tokens_per_s": (best.prompt_tokens + best.output_tokens) / t,
+        **timing([r.elapsed_s for r in rs]),
+        "num_requests": best.num_requests,
+        "prompt_tokens": best.prompt_tokens,
+        "output_tokens": best.output_tokens,
+        "generated_tokens": best.generated_tokens,
+        **best.stats,
+    }
+    if all(r.stats.get("cpu_s", 0) > 0 for r in rs):  # CPU time of the backend's processes
+        row["cpu_s"] = min(r.stats["cpu_s"] for r in rs)
+        row["cpu_s_all"] = [r.stats["cpu_s"] for r in rs]
+        row["output_tokens_per_cpu_s"] = best.output_tokens / row["cpu_s"]
+    if all("machine_cpu_s" in r.stats and "cpu_s" in r.stats for r in rs):
+        # what every other process used meanwhile (another backend's idle processes too)
+        row["other_cpu_s_all"] = [max(0.0, r.stats["machine_cpu_s"] - r.stats["cpu_s"])
+                                  for r in rs]
+    return row
 
 
 def _match(a: list[list[int]], b: list[list[int]]) -> float:

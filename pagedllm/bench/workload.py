@@ -27,7 +27,9 @@ a data-parallel router can save: every replica a tenant's requests reach compute
 prompt once.
 
 ``trace``: JSONL lines ``{"prompt": str | "prompt_token_ids": [int], "max_tokens": int,
-"arrival_time": float?}`` (seconds from the start).
+"arrival_time": float?, "n": int?, "output_token_ids": [int] | [[int]]?}`` (arrival: seconds
+from the start; ``output_token_ids``: what a recorded run generated, one list per sequence, which
+the planner replays token for token).
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ class BenchRequest:
     arrival_time: float | None = None  # seconds from the start; None = all at once
     prompt: str | None = None  # the text, when the workload came from text
     lora_id: int | None = None  # the LoRA adapter it runs (the planner's --lora-adapters)
+    n: int = 1  # sequences per request (SamplingParams.n)
+    # the tokens each of the n sequences generates (a recorded run), for the planner's replay:
+    # speculative decoding accepts what they say (executor/simulated.py); None: stand-ins
+    output_token_ids: list[list[int]] | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -237,10 +243,40 @@ def load_trace(path: str | Path, tokenizer: Any = None, limit: int | None = None
         if "max_tokens" not in rec:
             raise ValueError(f"{path}:{n}: each line needs 'max_tokens'")
         at = rec.get("arrival_time")
-        out.append(BenchRequest(ids, int(rec["max_tokens"]), None if at is None else float(at), text))
+        out.append(BenchRequest(ids, int(rec["max_tokens"]), None if at is None else float(at), text,
+                                n=int(rec.get("n", 1)),
+                                output_token_ids=_outputs(rec.get("output_token_ids"), f"{path}:{n}")))
         if limit is not None and len(out) == limit:
             break
     return out
+
+
+def _outputs(value: Any, where: str) -> list[list[int]] | None:
+    """A trace's ``output_token_ids``: one list of ids (n=1) or one per sequence."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, (int, list)) for t in value):
+        raise ValueError(f"{where}: 'output_token_ids' must be a list of token ids, or one per "
+                         "sequence")
+    seqs = value if value and isinstance(value[0], list) else [value]
+    return [[int(t) for t in seq] for seq in seqs]
+
+
+def write_trace(path: str | Path, reqs: list[BenchRequest],
+                outputs: list[list[list[int]]] | None = None) -> None:
+    """``reqs`` as trace JSONL (``load_trace`` reads it back), with each request's generated
+    tokens, one list per sequence, where ``outputs`` gives them."""
+    lines = []
+    for i, r in enumerate(reqs):
+        rec: dict[str, Any] = {"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens}
+        if r.arrival_time is not None:
+            rec["arrival_time"] = r.arrival_time
+        if r.n != 1:
+            rec["n"] = r.n
+        if outputs is not None:
+            rec["output_token_ids"] = outputs[i]
+        lines.append(json.dumps(rec))
+    Path(path).write_text("\n".join(lines) + "\n")
 
 
 def code_prompts(tokenizer: Any, n: int, prompt_len: int) -> list[list[int]]:
@@ -263,7 +299,7 @@ def submissions(engine: Any, reqs: list[BenchRequest], times: list[float] | None
                 prefix: str = "w", loras: dict[int, Any] | None = None,
                 **params: Any) -> list[Any]:
     """``reqs`` as requests for ``drive``: greedy, ``ignore_eos`` (outputs of exactly
-    ``max_tokens``), ids ``{prefix}{index}``, arriving at ``times`` (default: all at once), a
+    ``max_tokens``), ``n`` sequences each, ids ``{prefix}{index}``, arriving at ``times`` (default: all at once), a
     request with a ``lora_id`` run by ``loras[lora_id]`` (a ``LoRARequest``); ``params``: more
     ``SamplingParams`` fields."""
     from pagedllm.engine.drive import Submission
@@ -273,7 +309,7 @@ def submissions(engine: Any, reqs: list[BenchRequest], times: list[float] | None
     return [Submission(f"{prefix}{i}", partial(
         engine.add_request, prompt={"prompt_token_ids": r.prompt_token_ids},
         params=SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True,
-                              **params),
+                              n=r.n, **params),
         lora_request=None if r.lora_id is None or loras is None else loras[r.lora_id]), at[i])
         for i, r in enumerate(reqs)]
 

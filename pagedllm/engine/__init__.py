@@ -16,7 +16,26 @@
     snapshot.py     the /kv inspector's snapshot, a named call run on the core
 """
 
-from pagedllm.engine.core import LLMEngine
-from pagedllm.engine.input import PromptType
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedllm.engine.core import LLMEngine
+    from pagedllm.engine.input import PromptType
 
 __all__ = ["LLMEngine", "PromptType"]
+
+
+def __getattr__(name: str) -> Any:
+    """``LLMEngine`` and ``PromptType`` on first use: the package's torch-free modules
+    (``drive``, ``messages``) import without the model code (the planner's replay)."""
+    if name == "LLMEngine":
+        from pagedllm.engine.core import LLMEngine
+
+        return LLMEngine
+    if name == "PromptType":
+        from pagedllm.engine.input import PromptType
+
+        return PromptType
+    raise AttributeError(f"module 'pagedllm.engine' has no attribute {name!r}")

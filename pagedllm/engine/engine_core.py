@@ -54,15 +54,18 @@ logger = init_logger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, scheduler_cls: type[Scheduler] = Scheduler) -> None:
-        """``scheduler_cls`` swaps the batching policy (the benchmarks' contiguous baseline)."""
+    def __init__(self, config: EngineConfig, scheduler_cls: type[Scheduler] = Scheduler,
+                 executor: Executor | None = None) -> None:
+        """``scheduler_cls`` swaps the batching policy (the benchmarks' contiguous baseline);
+        ``executor`` the model (the planner's ``SimulatedExecutor``; default: the config's)."""
         self.config = config
         self.tokenizer = get_tokenizer(config.tokenizer, config.model.trust_remote_code)  # grammars and n-gram proposals
         self.generation_defaults = load_generation_defaults(config.model.model,
                                                             config.generation_config)
         self.eos_token_ids = eos_token_ids(
             self.tokenizer, config.model.eos_token_ids + self.generation_defaults.eos_token_ids)
-        executor = make_executor(config)  # rank 0 here; with TP, the other ranks started
+        if executor is None:
+            executor = make_executor(config)  # rank 0 here; with TP, the other ranks started
         self.kv_plan = p = plan_kv_pool(config.model, config.cache, config.scheduler,
                                         _profiled_budget(config, executor), config.lora)
         logger.info(startup_line(config, p))

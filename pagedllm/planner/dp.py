@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.planner.replay import Replayer, ReplayResult
+from pagedllm.planner.replay import ReplayResult, quiet_engine
+from pagedllm.planner.sim_engine import SimulatedEngine
 from pagedllm.router.policy import (
     IMBALANCE_THRESHOLD,
     ReplicaLoad,
@@ -74,14 +75,14 @@ def _part(res: ReplayResult, computed: int, routed: list[int]) -> dict[str, Any]
 
 
 def _tpot(res: ReplayResult, routed: list[int]) -> list[float]:
-    return [(res.finished[i] - res.first_token[i]) / (res.num_output[i] - 1) for i in routed
-            if res.num_output[i] > 1]
+    return [t for i in routed if (t := res.request_tpot(i)) is not None]
 
 
+@quiet_engine()
 def _replay_routed(reqs: list[BenchRequest], arrivals: list[float], cfg: EngineConfig,
                    cost: Any, n: int, policy: RoutingPolicy) -> list[dict[str, Any]]:
     """``n`` replays behind ``policy``: each request routed at its arrival (module docstring)."""
-    reps = [Replayer(reqs, cfg, cost, arrivals) for _ in range(n)]
+    reps = [SimulatedEngine(reqs, cfg, cost, arrivals) for _ in range(n)]
     computed = [0] * n
     routed: list[list[int]] = [[] for _ in range(n)]
     running: list[dict[int, list[str]]] = [{} for _ in range(n)]  # routed, not finished: hashes
@@ -90,8 +91,8 @@ def _replay_routed(reqs: list[BenchRequest], arrivals: list[float], cfg: EngineC
         if policy.uses_hashes:
             r.sched.kv.events.subscribe_batches(partial(policy.on_kv_events, k))
 
-    def advance(k: int) -> None:
-        reps[k].advance()
+    def advance(k: int) -> None:  # N engines on their own clocks: a router's loop, not drive's
+        reps[k].step()
         for i in reps[k].finished:
             policy.finished(k, running[k].pop(i))
 

@@ -4,12 +4,11 @@ accepted and rejected; KV integrity after every step and every block back at the
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_checks import assert_same_completion, audit_kv_moves, step_until_idle
+from engine_checks import assert_same_completion, audit_kv_moves, repetitive_prompts, step_until_idle
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine import LLMEngine
@@ -20,18 +19,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprob
 # Verification runs k + 1 query rows through the prefill attention path where a plain decode
 # runs the decode kernel: fp32 summation order only. Measured max |Δ| 3e-6 on these prompts.
 LP_TOL = 2e-5
-
-
-def repetitive_prompts(n: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
-    """Prompts that repeat a random phrase (as code repeats names), with a random tail: the
-    lookup finds matches, and the random model's continuation often leaves them."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        phrase = [rng.randrange(4, vocab) for _ in range(rng.randrange(3, 9))]
-        tail = [rng.randrange(4, vocab) for _ in range(rng.randrange(0, 6))]
-        out.append(phrase * rng.randrange(2, 5) + tail)
-    return out
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
