@@ -62,8 +62,12 @@ std::string gemm_isa() {
 }
 
 // The machine's peak fp32 multiply-add rate in GFLOP/s (2 flops per lane), for this build's
-// vector width: every thread runs `iters` rounds of 16 independent FMA chains on registers
-// alone (no loads: 16 chains cover an FMA's latency on two FMA ports), and the flops of all
+// vector width: every thread runs `iters` rounds of independent FMA chains on registers alone
+// (no loads, no barrier, in a function of its own: a memory clobber in the loop, and then the loop
+// inlined into the parallel region's lambda, kept the chains in memory or spilled them, and the
+// loop measured 1/3-2/3 of the rate the GEMM itself reached; 16 chains on AVX-512's 32 zmm
+// registers, 12 on AVX2's 16 ymm; either count covers an FMA's latency on two FMA ports; no
+// fast-math, so every FMA runs), and the flops of all
 // threads are divided by the slowest thread's CPU time (not wall time: on a shared machine a
 // thread taken off its core would lower the peak, not the machine). The linears' GFLOP/s over
 // this is the fraction of peak `pagedllm bench linear` reports.
@@ -73,53 +77,57 @@ double thread_seconds() {  // CPU time of the calling thread
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
-double gemm_fma_peak(int64_t iters) {
 #if defined(__AVX512F__)
-  using V = __m512;
-  constexpr int LANES = 16;
-  auto fma = [](V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); };
-  auto set = [](float v) { return _mm512_set1_ps(v); };
-  auto sum = [](V v) { return _mm512_reduce_add_ps(v); };
+using PeakV = __m512;
+constexpr int PEAK_LANES = 16, PEAK_CHAINS = 16;
+inline PeakV peak_fma(PeakV a, PeakV b, PeakV c) { return _mm512_fmadd_ps(a, b, c); }
+inline PeakV peak_set(float v) { return _mm512_set1_ps(v); }
+inline float peak_sum(PeakV v) { return _mm512_reduce_add_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__)
-  using V = __m256;
-  constexpr int LANES = 8;
-  auto fma = [](V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); };
-  auto set = [](float v) { return _mm256_set1_ps(v); };
-  auto sum = [](V v) {
-    float t[8];
-    _mm256_storeu_ps(t, v);
-    return t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-  };
+using PeakV = __m256;
+constexpr int PEAK_LANES = 8, PEAK_CHAINS = 12;
+inline PeakV peak_fma(PeakV a, PeakV b, PeakV c) { return _mm256_fmadd_ps(a, b, c); }
+inline PeakV peak_set(float v) { return _mm256_set1_ps(v); }
+inline float peak_sum(PeakV v) {
+  float t[8];
+  _mm256_storeu_ps(t, v);
+  return t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+}
 #else
-  using V = float;
-  constexpr int LANES = 1;
-  auto fma = [](V a, V b, V c) { return a * b + c; };
-  auto set = [](float v) { return v; };
-  auto sum = [](V v) { return v; };
+using PeakV = float;
+constexpr int PEAK_LANES = 1, PEAK_CHAINS = 16;
+inline PeakV peak_fma(PeakV a, PeakV b, PeakV c) { return a * b + c; }
+inline PeakV peak_set(float v) { return v; }
+inline float peak_sum(PeakV v) { return v; }
 #endif
-  constexpr int CHAINS = 16;
+
+// One thread's share of gemm_fma_peak: the CPU seconds of `iters` rounds of PEAK_CHAINS FMAs,
+// and their sum in `sink` (used, so the loop is kept).
+__attribute__((noinline)) double peak_rounds(int64_t iters, float* sink) {
+  PeakV acc[PEAK_CHAINS];
+  for (int c = 0; c < PEAK_CHAINS; ++c) acc[c] = peak_set(0.001f * c);
+  const PeakV a = peak_set(0.999999f), b = peak_set(1e-7f);
+  const double start = thread_seconds();
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 16
+    for (int c = 0; c < PEAK_CHAINS; ++c) acc[c] = peak_fma(acc[c], a, b);
+  }
+  const double seconds = thread_seconds() - start;
+  PeakV s = acc[0];
+  for (int c = 1; c < PEAK_CHAINS; ++c) s = peak_fma(s, a, acc[c]);
+  *sink = peak_sum(s);
+  return seconds;
+}
+
+double gemm_fma_peak(int64_t iters) {
   const int threads = at::get_num_threads();
   std::vector<double> seconds(threads, 0.0);
   std::vector<float> sink(threads, 0.0f);
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      V acc[CHAINS];
-      for (int c = 0; c < CHAINS; ++c) acc[c] = set(0.001f * c);
-      const V a = set(0.999999f), b = set(1e-7f);
-      const double start = thread_seconds();
-      for (int64_t i = 0; i < iters; ++i) {
-#pragma GCC unroll 16
-        for (int c = 0; c < CHAINS; ++c) acc[c] = fma(acc[c], a, b);
-        asm volatile("" : : : "memory");
-      }
-      seconds[t] = thread_seconds() - start;
-      V s = acc[0];
-      for (int c = 1; c < CHAINS; ++c) s = fma(s, a, acc[c]);
-      sink[t] = sum(s);  // the chains are used, so the loop is not removed
-    }
+    for (int64_t t = t0; t < t1; ++t) seconds[t] = peak_rounds(iters, &sink[t]);
   });
   const double slowest = *std::max_element(seconds.begin(), seconds.end());
-  const double flops = 2.0 * LANES * CHAINS * static_cast<double>(iters) * threads;
+  const double flops = 2.0 * PEAK_LANES * PEAK_CHAINS * static_cast<double>(iters) * threads;
   return sink[0] == 12345.0f ? 0.0 : flops / std::max(slowest, 1e-9) / 1e9;
 }
 

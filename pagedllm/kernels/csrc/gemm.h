@@ -13,7 +13,17 @@ namespace pagedllm {
 constexpr int64_t GEMM_PANEL = 32;  // output columns per packed panel
 // under this many multiply-adds a call stays on the calling thread (gemm_panels' min_macs)
 constexpr int64_t GEMM_PARALLEL_MIN_MACS = 1 << 20;
-constexpr int GEMM_MR = 8;          // rows per register tile
+constexpr int GEMM_MR = 8;          // rows per register tile, at most
+// rows per register tile the GEMMs use: 8 on AVX-512 (16 zmm accumulators for 8 x 32); 6
+// elsewhere: AVX2's 16 ymm registers hold 6 x 16 of a panel's half (12 accumulators, gemm_avx2.h),
+// while a 7- or 8-row tile there is cut into two parts of 3-4 rows that each read the panel
+// again and keep too few FMA chains in flight to hide the FMA's latency. The height changes no
+// output's bits (each is one FMA chain in k order).
+#if defined(__AVX512F__)
+constexpr int GEMM_TILE_ROWS = 8;
+#else
+constexpr int GEMM_TILE_ROWS = 6;
+#endif
 constexpr int64_t GEMM_M_CHUNK = 64;  // rows of x walked over a thread's panels at a time
 
 // The share of the thread's next panel one register tile fetches while it computes: cache lines
@@ -60,7 +70,7 @@ void gemm_panels(const T* x, int64_t ldx, const W* w, int64_t panel_size, const 
   at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t r0 = 0; r0 < m; r0 += GEMM_M_CHUNK) {  // these rows of x stay in L2
       const int64_t rows = std::min(m, r0 + GEMM_M_CHUNK) - r0;
-      const int64_t count = (rows + GEMM_MR - 1) / GEMM_MR;
+      const int64_t count = (rows + GEMM_TILE_ROWS - 1) / GEMM_TILE_ROWS;
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t col = p * GEMM_PANEL, n_valid = std::min(GEMM_PANEL, n - col);
         const W* panel = w + p * panel_size;
