@@ -99,6 +99,8 @@ def run_throughput(
 ) -> dict[str, Any]:
     """``json_schema``: the schema of backend ``pagedllm-json`` (default ``BENCH_SCHEMA``);
     ``record_trace``: a trace file of ``reqs`` with what the first pagedllm backend generated."""
+    if record_trace is not None and all(parse_backend(b)[0] in ("hf", "vllm") for b in backends):
+        raise ValueError("--record-trace needs a pagedllm backend")  # before any run, not after
     built: list[Any] = []
     try:
         for b in backends:
@@ -111,11 +113,9 @@ def run_throughput(
             if hasattr(b, "close"):
                 b.close()
 
-    if record_trace is not None:
-        seqs = next((rs[0].sequences for rs in runs.values() if rs[0].sequences), None)
-        if seqs is None:
-            raise ValueError("--record-trace needs a pagedllm backend")
-        write_trace(record_trace, reqs, seqs)
+    if record_trace is not None:  # the first engine backend's first repetition
+        write_trace(record_trace, reqs,
+                    next(rs[0].sequences for rs in runs.values() if rs[0].sequences is not None))
     results = [_row(name, runs[name]) for name in backends]
     ref = "pagedllm" if "pagedllm" in backends else backends[0]
     by = {r["backend"]: r for r in results}

@@ -89,8 +89,7 @@ class SimulatedEngine:
     def admit(self, i: int) -> None:
         """Request ``i`` arrives (the clock moves to its arrival if the engine sat idle)."""
         r = self.reqs[i]
-        if not self.busy:
-            self.clock = max(self.clock, self.arrivals[i])
+        self.wait_until(self.arrivals[i])
         rid = f"r{i}"
         lora = None if r.lora_id is None else LoRARequest(f"lora-{r.lora_id}", r.lora_id, "")
         params = SamplingParams(n=r.n, temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
@@ -102,6 +101,11 @@ class SimulatedEngine:
             if r.output_token_ids is not None:
                 self.recorded[c.request_id] = r.output_token_ids[k]
         self.left[i] = r.n
+
+    def wait_until(self, t: float) -> None:
+        """An idle engine's clock moves to ``t`` (the next arrival); a busy one's does not."""
+        if not self.busy:
+            self.clock = max(self.clock, t)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request (``drive`` does, on an error): it is not counted as finished."""
@@ -179,7 +183,7 @@ class SimClock(Clock):
         super().__init__(lambda: engine.clock, sleeps=False)
 
     def wait_until(self, t: float) -> None:
-        self.engine.clock = max(self.engine.clock, t)
+        self.engine.wait_until(t)
 
 
 def _output(i: int, finished: bool) -> RequestOutput:

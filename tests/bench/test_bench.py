@@ -24,6 +24,7 @@ from pagedllm.bench.workload import (
     load_trace,
     make_workload,
     poisson_arrivals,
+    write_trace,
 )
 from pagedllm.entrypoints.cli import main
 from pagedllm.sched import Scheduler
@@ -82,6 +83,29 @@ def test_trace_and_arrivals(tmp_path: Path) -> None:
     t = poisson_arrivals(50, 10.0, seed=1)
     assert t == sorted(t) and t == poisson_arrivals(50, 10.0, seed=1)
     assert poisson_arrivals(3, math.inf, 0) == [0.0, 0.0, 0.0]
+
+
+def test_a_recorded_trace_reads_back_and_bad_outputs_are_refused(tmp_path: Path) -> None:
+    """``write_trace`` / ``load_trace``: n and each sequence's tokens survive the round trip; a
+    flat list is one sequence; anything else is refused with the line named."""
+    reqs = [BenchRequest([5, 6], 3, 0.25, n=2, output_token_ids=[[1, 2, 3], [4, 5]]),
+            BenchRequest([7], 1, output_token_ids=[[9]])]
+    f = tmp_path / "t.jsonl"
+    write_trace(f, reqs, [r.output_token_ids for r in reqs])  # type: ignore[misc]
+    assert load_trace(f) == reqs
+    f.write_text('{"prompt_token_ids": [5], "max_tokens": 2, "output_token_ids": [8, 9]}\n')
+    assert load_trace(f)[0].output_token_ids == [[8, 9]]
+    f.write_text('{"prompt_token_ids": [5], "max_tokens": 2, "output_token_ids": "ab"}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:1: 'output_token_ids' must be a list"):
+        load_trace(f)
+
+
+def test_record_trace_without_an_engine_backend_fails_before_running(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:  # type: ignore[type-arg]
+    assert main(["bench", "throughput", "--backends", "hf", "--record-trace", str(tmp_path / "t"),
+                 "--output-dir", str(tmp_path), *SMALL]) == 2
+    assert "--record-trace needs a pagedllm backend" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists() and not list(tmp_path.glob("*.json"))  # nothing ran
 
 
 def test_the_spec_gives_the_arrivals() -> None:
