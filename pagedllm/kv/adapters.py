@@ -35,7 +35,7 @@ class AdapterPages:
         self.pool = pool
         self.sizes: dict[int, int] = {}  # adapter id -> blocks its weights need
         self.held: OrderedDict[int, list[KVBlock]] = OrderedDict()  # resident, LRU first
-        self._loads: list[tuple[int, list[int]]] = []  # this step's page-ins
+        self._loads: list[int] = []  # this step's page-ins (their blocks: ``held``)
         self._evictions: list[int] = []  # this step's page-outs
         self.num_loads = 0  # adapters paged in, in all
         self.num_evictions = 0  # adapters paged out to make room, in all
@@ -66,12 +66,13 @@ class AdapterPages:
             self.held.move_to_end(lora_id)
             return True
         n = self.sizes[lora_id]
+        keep = {*keep, lora_id}
         while self.pool.num_free_blocks < n:
-            if self.evict_idle([*keep, lora_id]) is None:
+            if self.evict_idle(keep) is None:
                 return False
         blocks = self.pool.get_new_blocks(n)
         self.held[lora_id] = blocks
-        self._loads.append((lora_id, [b.block_id for b in blocks]))
+        self._loads.append(lora_id)
         self.num_loads += 1
         return True
 
@@ -81,18 +82,20 @@ class AdapterPages:
         victim = next((i for i in self.held if i not in keep), None)
         if victim is not None:
             self.pool.free_blocks(self.held.pop(victim))
-            self._loads = [(i, b) for i, b in self._loads if i != victim]
+            if victim in self._loads:
+                self._loads.remove(victim)
             self._evictions.append(victim)
             self.num_evictions += 1
         return victim
 
     def take_changes(self) -> tuple[list[tuple[int, list[int]]], list[int]]:
         """This step's (page-ins as (id, block ids), page-outs), cleared. Page-outs first: an
-        adapter paged out and in again in one step is loaded afresh."""
-        loads, evictions = self._loads, self._evictions
+        adapter paged out and in again in one step is loaded afresh. The block ids are read
+        now, from ``held``: a compaction since the page-in has moved them."""
+        loads = [(i, self.blocks_of(i)) for i in self._loads]
+        evictions = self._evictions
         self._loads, self._evictions = [], []
         return loads, evictions
-
 
     def add_refs(self, refs: dict[int, int]) -> None:
         """Add the references held here (one per block) to ``refs`` (block id -> holders), for

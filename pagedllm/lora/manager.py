@@ -135,10 +135,11 @@ class LoRAManager:
         slot_of = {i: self._slot(reqs[i], wanted, pages[i], read) for i in wanted}
         per_req = [self.base_slot if lr is None else slot_of[lr.lora_int_id] for lr in loras]
         token_slots = torch.repeat_interleave(torch.tensor(per_req), torch.tensor(list(q_lens)))
-        groups = [(s, (token_slots == s).nonzero().flatten().to(self.device), self.slot_targets[s])
-                  for s in slot_of.values()]
         method = self.method or ("triton" if self.device.type == "cuda" else
                                  "dense" if len(token_slots) <= DENSE_MAX_TOKENS else "loop")
+        groups = [(s, (token_slots == s).nonzero().flatten().to(self.device), self.slot_targets[s])
+                  for s in slot_of.values()] if method == "loop" else []  # only "loop" reads them
+        targeted = frozenset().union(*(self.slot_targets[s] for s in slot_of.values()))
         if method == "dense" and self._repack:  # slots changed: repack them for the GEMM
             t0 = time.perf_counter()
             for stack in self.stacks.values():
@@ -150,7 +151,8 @@ class LoRAManager:
             onehot = torch.nn.functional.one_hot(token_slots, self.base_slot + 1)[:, :-1]
             onehot = onehot.to(self.dtype)
             onehot = onehot.unsqueeze(-1).to(self.device)  # [T, S, 1]: base tokens all zero
-        return LoRAMapping(token_slots.to(self.device), groups, self.stacks, method, onehot)
+        return LoRAMapping(token_slots.to(self.device), groups, self.stacks, method, onehot,
+                           targeted)
 
     def _slot(self, req: LoRARequest, in_step: list[int], pages: list[int],
               read: Callable[[list[int]], torch.Tensor]) -> int:

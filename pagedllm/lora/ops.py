@@ -6,7 +6,7 @@ Per linear the adapter slots are stacked (lora/manager.py)::
     A  [S+1, n*R, in]        n = shards of a fused linear (qkv: 3, gate_up: 2, else 1), R = max rank
     B  n x [S+1, out_j, R]   scaling folded in; slot S stays zero (the base model)
 
-Three ways to run it, same arithmetic (``LoRAMapping.method``):
+Four ways to run it, same arithmetic (``LoRAMapping.method``):
 
 - ``"dense"``: every adapter slot at once, masked: ``h = x @ A_flat.T`` [T, S*n*R], zero each
   token's parts of other slots (a one-hot mask made once per step; the base's tokens: all), then
@@ -24,6 +24,8 @@ Three ways to run it, same arithmetic (``LoRAMapping.method``):
   (``torch.bmm``): one op per shard whatever the number of adapters; the gathered weights are
   [T, n*R, in] + [T, out, R]. Never picked by default (slower than "dense" on decode steps on
   CPU: README); kept as a tested reference and a ``method`` to measure.
+
+A linear that no adapter of the step targets is skipped by every way (``LoRAMapping.targeted``).
 """
 
 from __future__ import annotations
@@ -68,20 +70,23 @@ class LoRAStack:
 class LoRAMapping:
     """A step's adapters, built by the runner from the scheduled requests (lora/manager.py).
 
-    ``token_slots`` [T] int64: each token's slot (S = the base model); ``groups``: per slot
-    present in the step, the rows of its tokens and the linears its adapter targets."""
+    ``token_slots`` [T] int64: each token's slot (S = the base model); ``groups`` ("loop"): per
+    slot present in the step, the rows of its tokens and the linears its adapter targets."""
 
     token_slots: torch.Tensor
     groups: list[tuple[int, torch.Tensor, frozenset[nn.Module]]]
     stacks: dict[nn.Module, LoRAStack]
     method: str  # "dense" | "loop" | "gather" | "triton"
     onehot: torch.Tensor | None = None  # [T, S, 1] in the model's dtype ("dense")
+    # the linears some adapter of the step targets (None: every one with a stack); the others
+    # add nothing and are skipped (under tensor parallelism: no all-reduce for them either)
+    targeted: frozenset[nn.Module] | None = None
 
     def apply(self, linear: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (``linear``'s output [T, out] for input ``x`` [T, in]) plus the adapters'
         deltas, in place."""
         stack = self.stacks.get(linear)
-        if stack is None:
+        if stack is None or (self.targeted is not None and linear not in self.targeted):
             return y
         if self.method == "dense":
             assert self.onehot is not None

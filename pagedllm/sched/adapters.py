@@ -27,6 +27,8 @@ class AdapterResidency:
         lora = req.lora_request
         if lora is None:
             return True
+        if lora.lora_int_id in self.pages.held:  # resident: no need for the set of those in use
+            return self.pages.ensure(lora.lora_int_id, ())
         while not self.pages.ensure(lora.lora_int_id, self.in_use()):
             if not self.holds.release_oldest():
                 return False

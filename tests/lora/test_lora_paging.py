@@ -145,6 +145,20 @@ def test_compaction_moves_adapters_pages_with_them() -> None:
     sched.kv.check_integrity()
 
 
+def test_a_page_in_pending_across_a_compaction_is_written_where_its_blocks_went() -> None:
+    """A page-in made between steps (a fork pages its adapter in at add_request), then a
+    compaction (``defragment``) before the next step: the step's load names the blocks after
+    the move, not the freed ids the weights would otherwise overwrite."""
+    kv = KVCacheManager(12, 4)
+    kv.adapters.register(1, 3)
+    kv.allocate_slots("gap", 8)  # blocks 0-1, freed below: a hole for compaction to fill
+    assert kv.adapters.ensure(1, ())
+    assert kv.adapters.blocks_of(1) == [2, 3, 4]
+    kv.free("gap")
+    assert dict(kv.compact()) == {3: 0, 4: 1}  # live blocks fill ids 0-2; block 2 stays
+    assert kv.adapters.take_changes() == ([(1, [2, 0, 1])], [])
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(10, 30), st.lists(st.tuples(st.integers(0, 5), st.integers(1, 20),
                                                st.integers(1, 6)), min_size=1, max_size=14),
