@@ -14,6 +14,13 @@ reach alone.
 4. The machine's peak fp32 FMA rate at the kernels' ISA (``PAGEDLLM_ISA``; a register-only FMA
    loop on every thread, ``torch.ops.pagedllm.gemm_fma_peak``) and each kind's ``of_peak``:
    the engine's GFLOP/s over it.
+5. The machine's memory read rate (every thread reading its share of a 1 GiB buffer,
+   ``torch.ops.pagedllm.gemm_read_bandwidth``) and each kind's ``of_roofline``: the time the
+   calls would take at the roofline (each call the longer of its flops at the peak and its
+   weight bytes at the read rate; activations are not counted) over the engine's time. At the
+   few rows of a decode step a linear reads its whole weight for a few flops per byte, so no
+   kernel reaches the FMA peak there; ``of_roofline`` says how close it comes to what the
+   machine allows (above 1 where the weights come from cache, as a small model's can).
 
 Both sides use the median call of a shape (engine: per shape, times its call count), so that a
 call another process delayed on a shared machine weighs on neither; the engine's plain total is
@@ -160,7 +167,8 @@ def run_linear(reqs: list[BenchRequest], spec: WorkloadSpec, engine_kwargs: dict
             if (shape, p) not in alone and runs:
                 alone[(shape, p)] = time_alone(shape, dtype, p, weight_dtype=w16 if p == "gemm" else None)
     agg: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for (shape, _), ts in calls.items():
+    peak, bw = fma_peak(), read_bandwidth()
+    for (shape, path), ts in calls.items():
         m, n, k = shape
         for key in (kinds.get((n, k), f"{n}x{k}"), "all linears"):
             a = agg[key]
@@ -169,6 +177,8 @@ def run_linear(reqs: list[BenchRequest], spec: WorkloadSpec, engine_kwargs: dict
             a["engine_s"] += statistics.median(ts) * len(ts)
             a["gflop"] += 2 * m * n * k * len(ts) / 1e9
             a["rows"] += m * len(ts)
+            a["roofline_s"] += floor_s(2 * m * n * k, weight_bytes(shape, path, w16 or dtype),
+                                       peak, bw) * len(ts)
             for p in ("onednn", "torch", "gemm"):
                 a[f"{p}_alone_s"] += alone.get((shape, p), float("nan")) * len(ts)
     rows = []
@@ -181,9 +191,10 @@ def run_linear(reqs: list[BenchRequest], spec: WorkloadSpec, engine_kwargs: dict
             "gemm_alone_gflops": a["gflop"] / a["gemm_alone_s"],
             "efficiency": a["onednn_alone_s"] / a["engine_s"],
         })
-    peak = fma_peak()
     for row in rows:
+        a = agg[str(row["layer"])]
         row["of_peak"] = float(row["engine_gflops"]) / peak if peak else float("nan")  # type: ignore[arg-type]
+        row["of_roofline"] = a["roofline_s"] / a["engine_s"]
     paths = sorted({p for _, p in calls})
     return {
         "benchmark": "linear",
@@ -192,6 +203,7 @@ def run_linear(reqs: list[BenchRequest], spec: WorkloadSpec, engine_kwargs: dict
         "threads": torch.get_num_threads(),
         "isa": kernels.isa(),
         "fma_peak_gflops": peak,
+        "read_bandwidth_gbps": bw,
         "engine_paths": paths,
         "run_s": wall,
         "linear_share_of_run": agg["all linears"]["engine_total_s"] / wall if calls else 0.0,
@@ -206,6 +218,34 @@ def run_linear(reqs: list[BenchRequest], spec: WorkloadSpec, engine_kwargs: dict
         "engine": {k: v for k, v in engine_kwargs.items() if v is not None},
         "machine": machine_info(),
     }
+
+
+def weight_bytes(shape: Shape, path: str, weight_dtype: torch.dtype) -> int:
+    """Bytes of weight one call of ``shape`` on ``path`` reads: pagedllm's GEMM reads panels of
+    32 output columns (the last one padded)."""
+    _, n, k = shape
+    return (-(-n // 32) * 32 if path == "gemm" else n) * k * weight_dtype.itemsize
+
+
+def floor_s(flops: float, weight: float, peak: float | None, bw: float | None) -> float:
+    """Seconds a call of ``flops`` reading ``weight`` bytes takes at the roofline: the longer of
+    its flops at ``peak`` GFLOP/s and its weight at ``bw`` GB/s; NaN without the measures."""
+    if not peak or not bw:
+        return float("nan")
+    return max(flops / peak, weight / bw) / 1e9
+
+
+def read_bandwidth(reps: int = 5) -> float | None:
+    """The machine's memory read rate in GB/s (all threads, the kernels' vector loads; the best
+    of ``reps`` reads of a 1 GiB buffer: a 64-256 MiB one read 1.2-1.5x faster here, from a
+    large L3 in part); None without the kernels."""
+    import torch
+
+    from pagedllm import kernels
+
+    if not kernels.available():
+        return None
+    return float(torch.ops.pagedllm.gemm_read_bandwidth(1 << 30, reps))
 
 
 def fma_peak(reps: int = 3) -> float | None:
@@ -235,10 +275,14 @@ def report_linear(res: dict[str, Any], output_dir: Path, output_json: Path | Non
     if res["fma_peak_gflops"]:
         print(f"peak FMA rate ({res['isa']}, register-only loop, {res['threads']} threads): "
               f"{res['fma_peak_gflops']:.1f} GFLOP/s; of_peak = engine GFLOP/s / peak")
+    if res.get("read_bandwidth_gbps"):
+        print(f"memory read rate ({res['threads']} threads): {res['read_bandwidth_gbps']:.1f} "
+              "GB/s; of_roofline = time at the roofline (flops at peak or weight bytes at the "
+              "read rate, the longer) / engine time")
     print(format_table(res["results"], ("layer", "calls", "mean_rows", "engine_total_s", "engine_gflops",
                                         "onednn_alone_gflops", "torch_alone_gflops", "gemm_alone_gflops",
-                                        "efficiency", "of_peak"),
+                                        "efficiency", "of_peak", "of_roofline"),
                        ["layer", "calls", "mean M", "engine total s", "engine GFLOP/s",
                         "oneDNN alone", "F.linear alone", "pagedllm GEMM alone", "efficiency",
-                        "of peak"]))
+                        "of peak", "of roofline"]))
     return [write_json(output_json or output_dir / "linear.json", res)]

@@ -109,6 +109,9 @@ class LlamaDecoderLayer(nn.Module):
         # no q/k norms (attn_in goes from the hidden states to roped q/k in one op)
         two_ops = tp is None and not cfg.qk_norm
         self.attend = getattr(backend, "attend", None) if two_ops else None
+        # the linear that runs after this layer's down_proj (the next layer's qkv_proj, or the
+        # LM head), in a tuple so that it is not a submodule: the GEMM fetches its first panels
+        self.after: tuple[Linear, ...] = ()
 
     def forward(
         self,
@@ -149,13 +152,15 @@ class LlamaDecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         q = torch.ops.pagedllm.attn_in(  # [T, Hq, D]; the new K/V are in their slots
             x, residual, norm1.weight, norm1.eps, *attn.qkv_proj.op_args(), cos, sin,
-            attn.num_heads, attn.num_kv_heads, k_cache, v_cache, meta.slot_mapping)
+            attn.num_heads, attn.num_kv_heads, k_cache, v_cache, meta.slot_mapping,
+            attn.o_proj.packed)
         residual = x if residual is None else residual
         assert self.attend is not None
         o = self.attend(q, k_cache, v_cache, meta, attn.scale, attn.sliding_window)
         h = torch.ops.pagedllm.attn_out_mlp(
             o, residual, *attn.o_proj.op_args(), norm2.weight, norm2.eps,
-            *mlp.gate_up_proj.op_args(), *mlp.down_proj.op_args())
+            *mlp.gate_up_proj.op_args(), *mlp.down_proj.op_args(),
+            self.after[0].packed if self.after else None)
         return h, residual
 
 
@@ -166,6 +171,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, backend, tp, i) for i in range(cfg.num_hidden_layers)
         )
+        for layer, following in zip(self.layers, list(self.layers)[1:]):
+            layer.after = (following.self_attn.qkv_proj,)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
@@ -201,6 +208,7 @@ class LlamaForCausalLM(CausalLM):
         self.config = cfg
         self.model = LlamaModel(cfg, backend, tp)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # replicated
+        self.model.layers[-1].after = (self.lm_head,)
         if cfg.tie_word_embeddings:
             self.tie_weights()
 

@@ -463,6 +463,10 @@ def test_bench_linear_cli(model: Path, tmp_path: Path) -> None:
     # the peak FMA rate at the kernels' ISA, and every kind's share of it
     assert res["isa"] == res["machine"]["pagedllm_isa"] and res["fma_peak_gflops"] > 0
     assert all(0 < r["of_peak"] < 1.5 for r in [everything, *rows.values()])
+    # the memory read rate, and every kind's time at the roofline over its time (above 1 only
+    # where weights come from cache, faster than the read rate: a tiny model's can)
+    assert res["read_bandwidth_gbps"] > 0
+    assert all(0 < r["of_roofline"] < float("inf") for r in [everything, *rows.values()])
     from pagedllm import kernels
 
     assert res["machine"]["cpu_flags"] == " ".join(sorted(kernels.cpu_flags()))

@@ -92,6 +92,22 @@ def test_silu_and_mul(dtype: torch.dtype, t: int, i: int) -> None:
     assert_ulps(got, want, dtype)
 
 
+def test_silu_and_mul_vector_lanes_give_the_scalar_loops_bits() -> None:
+    """The vector loop (16 lanes on AVX-512, 8 on AVX2) and the scalar tail compute the same exp
+    in the same order: the same values give the same bits in rows of 16 (vector) and of 1 (tail
+    only). Under PAGEDLLM_ISA=avx2 (test_isa.py) this checks the AVX2 lanes."""
+    g = torch.Generator().manual_seed(7)
+    vals = torch.cat([torch.randn(240, generator=g) * 6,
+                      torch.tensor([-100.0, -87.5, -30.0, -1e-3, 0.0, 1e-3, 30.0, 100.0] * 2)])
+    up = torch.randn(256, generator=g)
+    wide = torch.cat([vals.view(16, 16), up.view(16, 16)], dim=1)   # [16, 32]: vector lanes
+    narrow = torch.stack([vals, up], dim=1)                         # [256, 2]: scalar tail only
+    with torch.inference_mode():
+        a = torch.ops.pagedllm.silu_and_mul(wide).reshape(-1)
+        b = torch.ops.pagedllm.silu_and_mul(narrow).reshape(-1)
+    assert torch.equal(a, b)
+
+
 def test_autograd_takes_the_torch_ops() -> None:
     """The fused ops have no backward: with grad enabled the layers run the torch ops."""
     norm = RMSNorm(64)

@@ -202,3 +202,27 @@ def test_fma_peak_is_a_rate() -> None:
     peak = torch.ops.pagedllm.gemm_fma_peak(100_000)
     lanes = {"avx512": 16, "avx2": 8}.get(torch.ops.pagedllm.gemm_isa(), 1)
     assert 0.05 * lanes < peak < 1e5
+
+
+def test_read_bandwidth_is_a_rate() -> None:
+    # GB/s of every thread reading its share of a 64 MiB buffer: at least 0.1 GB/s (a byte per
+    # 10 ns: far slower than any memory), at most 10 TB/s (far faster)
+    bw = torch.ops.pagedllm.gemm_read_bandwidth(64 << 20, 2)
+    assert 0.1 < bw < 1e4
+
+
+@pytest.mark.parametrize("m", [1, 5, 15, 70])
+@pytest.mark.parametrize("after_kind", ["f32_big", "f32_small", "bf16_w16"])
+def test_fetching_the_next_weight_changes_no_bits(m: int, after_kind: str) -> None:
+    """``after`` (the packed weight the caller multiplies by next: decoder_layer.cpp's chain)
+    only moves where the last panel's prefetches point: the same bits, serial or threaded, for
+    a following weight split over the threads or not, of any dtype."""
+    g = torch.Generator().manual_seed(m)
+    w, x, b = torch.randn(1280, 768, generator=g), torch.randn(m, 768, generator=g), torch.randn(1280)
+    packed = torch.ops.pagedllm.pack_gemm_weight(w)
+    nxt = {"f32_big": lambda: torch.ops.pagedllm.pack_gemm_weight(torch.randn(4096, 768)),
+           "f32_small": lambda: torch.ops.pagedllm.pack_gemm_weight(torch.randn(32, 8)),
+           "bf16_w16": lambda: torch.ops.pagedllm.pack_gemm_weight_w16(
+               torch.randn(768, 2048).to(torch.bfloat16))}[after_kind]()
+    plain = torch.ops.pagedllm.gemm_packed(x, packed, 1280, b)
+    assert torch.equal(torch.ops.pagedllm.gemm_packed(x, packed, 1280, b, nxt), plain)

@@ -15,7 +15,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -181,6 +181,27 @@ inline float exp_approx(float x) {
   std::memcpy(&p, &bits, 4);
   return y * p;
 }
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// exp_approx on 8 lanes (AVX2 builds), the same operations in the same order: the same bits as
+// the scalar loop and as exp16 (elementwise.cpp is built with -ffp-contract=off, so no multiply
+// and add below is fused).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
+  __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                           _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
+                           _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                  5.0000001201e-1f})
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(c));
+  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(y, r), r), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+#endif
 
 #if defined(__AVX512F__)
 // exp_approx on 16 lanes, the same operations in the same order (so the same bits). Written

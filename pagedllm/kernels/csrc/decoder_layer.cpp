@@ -9,6 +9,9 @@
 //                                h = o @ Wo^T (+ b); residual <- h + residual; h = rms_norm(...);
 //                                -> down(silu_and_mul(gate_up(h)))
 //
+// ``after`` (each op's last argument): the packed weight of the linear that runs after the op's
+// last one (the layer's o_proj after attn_in, the next layer's qkv_proj or the LM head after
+// attn_out_mlp), so that every GEMM fetches the start of the one after it (gemm.h GemmNext).
 // The same ops the Python modules run, in the same order, on the same kernels: a linear runs
 // pagedllm's GEMM (gemm.cpp) or oneDNN (mkldnn::_linear_pointwise) on its packed weight, or
 // at::linear on its plain weight, by the rule of Linear.matmul (layers/linear.py), so the
@@ -31,15 +34,17 @@ namespace {
 using OptTensor = std::optional<at::Tensor>;
 
 // x [T, in] @ W^T (+ bias): oneDNN on ``packed`` unless it is absent, or ``weight`` is given
-// (Linear.gemv) and x is one row; at::linear on ``weight`` otherwise.
+// (Linear.gemv) and x is one row; at::linear on ``weight`` otherwise. ``after``: the packed
+// weight of the linear that runs next, whose first panels pagedllm's GEMM fetches (GemmNext).
 at::Tensor linear(const at::Tensor& x, const OptTensor& packed, const OptTensor& weight,
-                  const OptTensor& bias) {
+                  const OptTensor& bias, const OptTensor& after = std::nullopt) {
   if (!packed.has_value() || (weight.has_value() && x.size(0) == 1)) {
     TORCH_CHECK(weight.has_value(), "a linear needs its packed or its plain weight");
     return at::linear(x, *weight, bias);
   }
   if (packed->dim() == 3)  // pack_gemm_weight's panels (Linear.kind "gemm": N = 32 * panels)
-    return gemm_packed(x.contiguous(), *packed, packed->size(0) * GEMM_PANEL, bias);
+    return gemm_packed(x.contiguous(), *packed, packed->size(0) * GEMM_PANEL, bias,
+                       gemm_next(after, x.size(0), GEMM_PARALLEL_MIN_MACS));
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, *packed, bias, std::string("none"),
@@ -79,7 +84,8 @@ at::Tensor attn_in(at::Tensor x, const OptTensor& residual, const at::Tensor& no
                    double eps, const OptTensor& qkv_packed, const OptTensor& qkv_weight,
                    const OptTensor& qkv_bias, const at::Tensor& cos, const at::Tensor& sin,
                    int64_t num_heads, int64_t num_kv_heads, const at::Tensor& k_cache,
-                   const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+                   const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                   const OptTensor& after) {
   at::Tensor h;
   if (residual.has_value()) {
     add_rms_norm_(x, *residual, norm_weight, eps);
@@ -87,7 +93,7 @@ at::Tensor attn_in(at::Tensor x, const OptTensor& residual, const at::Tensor& no
   } else {
     h = rms_norm(x, norm_weight, eps);
   }
-  const at::Tensor qkv = linear(h, qkv_packed, qkv_weight, qkv_bias);  // [T, (Hq + 2 Hkv) D]
+  const at::Tensor qkv = linear(h, qkv_packed, qkv_weight, qkv_bias, after);  // [T, (Hq+2Hkv) D]
   const int64_t t = qkv.size(0), d = k_cache.size(3);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * d,
               "qkv_proj's output is not (num_heads + 2 * num_kv_heads) * head_dim");
@@ -106,11 +112,13 @@ at::Tensor attn_out_mlp(const at::Tensor& o, at::Tensor residual, const OptTenso
                         const at::Tensor& norm_weight, double eps,
                         const OptTensor& gate_up_packed, const OptTensor& gate_up_weight,
                         const OptTensor& gate_up_bias, const OptTensor& down_packed,
-                        const OptTensor& down_weight, const OptTensor& down_bias) {
-  at::Tensor h = linear(o.reshape({o.size(0), -1}), o_packed, o_weight, o_bias);
+                        const OptTensor& down_weight, const OptTensor& down_bias,
+                        const OptTensor& after) {
+  at::Tensor h = linear(o.reshape({o.size(0), -1}), o_packed, o_weight, o_bias, gate_up_packed);
   add_rms_norm_(h, residual, norm_weight, eps);
-  const at::Tensor act = silu_and_mul(linear(h, gate_up_packed, gate_up_weight, gate_up_bias));
-  return linear(act, down_packed, down_weight, down_bias);
+  const at::Tensor act =
+      silu_and_mul(linear(h, gate_up_packed, gate_up_weight, gate_up_bias, down_packed));
+  return linear(act, down_packed, down_weight, down_bias, after);
 }
 
 }  // namespace pagedllm
@@ -120,12 +128,12 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "attn_in(Tensor(a!) x, Tensor(b!)? residual, Tensor norm_weight, float eps, "
       "Tensor? qkv_packed, Tensor? qkv_weight, Tensor? qkv_bias, Tensor cos, Tensor sin, "
       "int num_heads, int num_kv_heads, Tensor(c!) k_cache, Tensor(d!) v_cache, "
-      "Tensor slot_mapping) -> Tensor",
+      "Tensor slot_mapping, Tensor? after=None) -> Tensor",
       &pagedllm::attn_in);
   m.def(
       "attn_out_mlp(Tensor o, Tensor(a!) residual, Tensor? o_packed, Tensor? o_weight, "
       "Tensor? o_bias, Tensor norm_weight, float eps, Tensor? gate_up_packed, "
       "Tensor? gate_up_weight, Tensor? gate_up_bias, Tensor? down_packed, Tensor? down_weight, "
-      "Tensor? down_bias) -> Tensor",
+      "Tensor? down_bias, Tensor? after=None) -> Tensor",
       &pagedllm::attn_out_mlp);
 }

@@ -160,6 +160,15 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
           const __m512 act = round16<scalar_t>(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
           store16(y + i, _mm512_mul_ps(act, load16(g + i + n)));
         }
+#elif defined(__AVX2__)
+        if constexpr (std::is_same_v<scalar_t, float>) {  // AVX2 builds compute in fp32
+          for (; i + 8 <= n; i += 8) {
+            const __m256 a = _mm256_loadu_ps(g + i);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
+            const __m256 act = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(y + i, _mm256_mul_ps(act, _mm256_loadu_ps(g + i + n)));
+          }
+        }
 #endif
         for (; i < n; ++i) {
           const float a = static_cast<float>(g[i]);

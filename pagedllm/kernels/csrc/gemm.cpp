@@ -15,6 +15,7 @@
 // While a panel is computed its tiles prefetch the thread's next one (gemm_panels in gemm.h).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -83,6 +84,8 @@ constexpr int PEAK_LANES = 16, PEAK_CHAINS = 16;
 inline PeakV peak_fma(PeakV a, PeakV b, PeakV c) { return _mm512_fmadd_ps(a, b, c); }
 inline PeakV peak_set(float v) { return _mm512_set1_ps(v); }
 inline float peak_sum(PeakV v) { return _mm512_reduce_add_ps(v); }
+inline PeakV peak_load(const float* p) { return _mm512_loadu_ps(p); }
+inline PeakV peak_add(PeakV a, PeakV b) { return _mm512_add_ps(a, b); }
 #elif defined(__AVX2__) && defined(__FMA__)
 using PeakV = __m256;
 constexpr int PEAK_LANES = 8, PEAK_CHAINS = 12;
@@ -93,12 +96,16 @@ inline float peak_sum(PeakV v) {
   _mm256_storeu_ps(t, v);
   return t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
 }
+inline PeakV peak_load(const float* p) { return _mm256_loadu_ps(p); }
+inline PeakV peak_add(PeakV a, PeakV b) { return _mm256_add_ps(a, b); }
 #else
 using PeakV = float;
 constexpr int PEAK_LANES = 1, PEAK_CHAINS = 16;
 inline PeakV peak_fma(PeakV a, PeakV b, PeakV c) { return a * b + c; }
 inline PeakV peak_set(float v) { return v; }
 inline float peak_sum(PeakV v) { return v; }
+inline PeakV peak_load(const float* p) { return *p; }
+inline PeakV peak_add(PeakV a, PeakV b) { return a + b; }
 #endif
 
 // One thread's share of gemm_fma_peak: the CPU seconds of `iters` rounds of PEAK_CHAINS FMAs,
@@ -131,6 +138,42 @@ double gemm_fma_peak(int64_t iters) {
   return sink[0] == 12345.0f ? 0.0 : flops / std::max(slowest, 1e-9) / 1e9;
 }
 
+// One thread's share of gemm_read_bandwidth: the CPU seconds to read p[0:n] once with vector
+// loads (4 independent sums, so the adds never wait on each other), the sum in `sink`.
+__attribute__((noinline)) double read_once(const float* p, int64_t n, float* sink) {
+  constexpr int64_t STEP = 4 * PEAK_LANES;
+  PeakV acc[4] = {peak_set(0.0f), peak_set(0.0f), peak_set(0.0f), peak_set(0.0f)};
+  const double start = thread_seconds();
+  for (int64_t i = 0; i + STEP <= n; i += STEP)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) acc[c] = peak_add(acc[c], peak_load(p + i + c * PEAK_LANES));
+  const double seconds = thread_seconds() - start;
+  *sink = peak_sum(peak_add(peak_add(acc[0], acc[1]), peak_add(acc[2], acc[3])));
+  return seconds;
+}
+
+// The machine's memory read rate in GB/s at this build's vector width, the rate a decode step's
+// GEMMs stream their weights at best: every thread reads its share of a `bytes` buffer (far
+// larger than the caches) once per rep; bytes over the slowest thread's CPU time, the best of
+// `reps` (as gemm_fma_peak: load on a shared machine only ever lowers it).
+double gemm_read_bandwidth(int64_t bytes, int64_t reps) {
+  const int threads = at::get_num_threads();
+  const int64_t share = std::max<int64_t>(bytes / 4 / threads / 64 * 64, 64);
+  const at::Tensor buf = at::ones({share * threads}, at::kFloat);  // touched: no page faults below
+  const float* p = buf.data_ptr<float>();
+  std::vector<float> sink(threads, 0.0f);
+  double best = 0.0;
+  for (int64_t r = 0; r < std::max<int64_t>(reps, 1); ++r) {
+    std::vector<double> seconds(threads, 0.0);
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) seconds[t] = read_once(p + t * share, share, &sink[t]);
+    });
+    const double slowest = *std::max_element(seconds.begin(), seconds.end());
+    best = std::max(best, 4.0 * share * threads / std::max(slowest, 1e-9) / 1e9);
+  }
+  return sink[0] == -1.0f ? 0.0 : best;
+}
+
 at::Tensor pack_gemm_weight(const at::Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 &&
                   (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
@@ -148,12 +191,12 @@ at::Tensor pack_gemm_weight(const at::Tensor& w) {
 }
 
 at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias, GemmNext after) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a float32 or bfloat16 CPU tensor [M, K], contiguous rows");
-  if (x.scalar_type() == at::kBFloat16) return gemm_packed_bf16(x, packed, n, bias);
-  if (packed.scalar_type() != at::kFloat) return gemm_packed_w16(x, packed, n, bias);
+  if (x.scalar_type() == at::kBFloat16) return gemm_packed_bf16(x, packed, n, bias, after);
+  if (packed.scalar_type() != at::kFloat) return gemm_packed_w16(x, packed, n, bias, after);
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 &&
                   packed.size(1) == x.size(1) && packed.size(2) == PANEL &&
                   packed.size(0) == (n + PANEL - 1) / PANEL && packed.is_contiguous(),
@@ -168,8 +211,16 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor y = at::empty({m, n}, x.options());
   gemm_panels(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), k * PANEL, b,
-              y.data_ptr<float>(), m, n, k, GEMM_TILES<WeightF32>, GEMM_PARALLEL_MIN_MACS);
+              y.data_ptr<float>(), m, n, k, GEMM_TILES<WeightF32>, GEMM_PARALLEL_MIN_MACS, 128,
+              after);
   return y;
+}
+
+// The op: gemm_packed, and `after` the packed weight the caller multiplies by next (GemmNext).
+at::Tensor gemm_packed_op(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                          const std::optional<at::Tensor>& bias,
+                          const std::optional<at::Tensor>& after) {
+  return gemm_packed(x, packed, n, bias, gemm_next(after, x.size(0), GEMM_PARALLEL_MIN_MACS));
 }
 
 }  // namespace pagedllm
@@ -179,8 +230,9 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("gemm_bf16_vectorized() -> bool", &pagedllm::gemm_bf16_vectorized);
   m.def("gemm_isa() -> str", &pagedllm::gemm_isa);
   m.def("gemm_fma_peak(int iters) -> float", &pagedllm::gemm_fma_peak);
+  m.def("gemm_read_bandwidth(int bytes, int reps) -> float", &pagedllm::gemm_read_bandwidth);
   m.def("pack_gemm_weight_w16(Tensor w) -> Tensor", &pagedllm::pack_gemm_weight_w16);
   m.def("pack_gemm_weight(Tensor w) -> Tensor", &pagedllm::pack_gemm_weight);
-  m.def("gemm_packed(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor",
-        &pagedllm::gemm_packed);
+  m.def("gemm_packed(Tensor x, Tensor packed, int n, Tensor? bias, Tensor? after=None) -> Tensor",
+        &pagedllm::gemm_packed_op);
 }

@@ -33,11 +33,51 @@ struct GemmAhead {
   int64_t step;
 };
 
+// Whether a call of `macs` multiply-adds on `weight_bytes` of weights stays on the calling
+// thread: few multiply-adds, and a weight small enough to come from cache. A decode step's
+// weight comes from memory, where one core streams at about half the machine's rate (125M model,
+// 1 row: qkv and o_proj are under 2^20 multiply-adds but 2.4-3.9 MB; on one thread they took
+// twice as long as on two).
+constexpr int64_t GEMM_PARALLEL_MIN_BYTES = 1 << 20;
+inline bool gemm_serial(int64_t macs, int64_t weight_bytes, int64_t min_macs) {
+  return macs < min_macs && weight_bytes < GEMM_PARALLEL_MIN_BYTES;
+}
+
+// The weight the call after this one reads (decoder_layer.cpp: the layer's next linear), so that
+// each thread's last panel fetches, in place of a panel of its own, the first panel that thread
+// computes in that call: the next call then starts on weights in cache instead of waiting for
+// memory until the hardware prefetchers catch up (a decode step makes ~4 GEMM calls a layer).
+// Empty (base null): no call follows, or it is not known.
+struct GemmNext {
+  const char* base = nullptr;
+  int64_t panels = 0, panel_bytes = 0;
+  bool parallel = false;  // whether that call splits its panels over the threads
+
+  // where thread `tid` of `threads` starts in that call; null where it computes nothing there
+  const char* start(int64_t tid, int64_t threads) const {
+    if (base == nullptr || panels <= 0) return nullptr;
+    const int64_t used = parallel ? std::min(threads, panels) : 1;
+    const int64_t first = tid * ((panels + used - 1) / used);
+    return tid < used && first < panels ? base + first * panel_bytes : nullptr;
+  }
+};
+
+// GemmNext for a packed weight (any of the GEMMs' [panels, ...] layouts) read by a call of m
+// rows; empty where `packed` is not one (a oneDNN weight) or absent.
+inline GemmNext gemm_next(const std::optional<at::Tensor>& packed, int64_t m, int64_t min_macs) {
+  if (!packed.has_value() || packed->dim() != 3 || !packed->is_contiguous() ||
+      packed->size(0) == 0)
+    return {};
+  const int64_t panels = packed->size(0);
+  return {static_cast<const char*>(packed->data_ptr()), panels, packed->nbytes() / panels,
+          !gemm_serial(m * packed->numel(), packed->nbytes(), min_macs)};
+}
+
 // The lines of `ahead` for iteration i of a tile's k loop: the share is spread evenly over it.
 inline void gemm_prefetch(GemmAhead ahead, int64_t i) {
   const int64_t f = i * ahead.step;
-  __builtin_prefetch(ahead.base + (f >> 16) * 64, 0, 3);
-  __builtin_prefetch(ahead.base + ((f + ahead.step / 2) >> 16) * 64, 0, 3);
+  __builtin_prefetch(ahead.base + (f >> 16) * 64, 0, 1);
+  __builtin_prefetch(ahead.base + ((f + ahead.step / 2) >> 16) * 64, 0, 1);
 }
 
 // One register tile: rows x[0:R] (row stride ldx) times a panel of k_n values per column ->
@@ -62,19 +102,24 @@ using GemmTile = void (*)(const T* x, int64_t ldx, const W* panel, int64_t k_n, 
 template <typename T, typename W = T>
 void gemm_panels(const T* x, int64_t ldx, const W* w, int64_t panel_size, const T* bias, T* y,
                  int64_t m, int64_t n, int64_t k, const GemmTile<T, W>* tiles, int64_t min_macs,
-                 int64_t iter_bytes = 128) {
+                 int64_t iter_bytes = 128, GemmNext after = {}) {
   const int64_t panels = (n + GEMM_PANEL - 1) / GEMM_PANEL;
-  const int64_t grain = m * n * k < min_macs ? panels : 1;
   const int64_t bytes = panel_size * static_cast<int64_t>(sizeof(W));
+  const int64_t grain = gemm_serial(m * n * k, panels * bytes, min_macs) ? panels : 1;
   const int64_t lines = bytes / 64, iters = bytes / iter_bytes;
+  const int64_t threads = grain == 1 ? at::get_num_threads() : 1;
   at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+    const char* then = after.start(at::get_thread_num(), threads);  // the next call's first panel
     for (int64_t r0 = 0; r0 < m; r0 += GEMM_M_CHUNK) {  // these rows of x stay in L2
       const int64_t rows = std::min(m, r0 + GEMM_M_CHUNK) - r0;
       const int64_t count = (rows + GEMM_TILE_ROWS - 1) / GEMM_TILE_ROWS;
+      // after the thread's last panel: its first again for the next rows, else the next call's
+      const char* wrap = reinterpret_cast<const char*>(w + p0 * panel_size);
+      if (r0 + GEMM_M_CHUNK >= m && then != nullptr) wrap = then;
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t col = p * GEMM_PANEL, n_valid = std::min(GEMM_PANEL, n - col);
         const W* panel = w + p * panel_size;
-        const char* next = reinterpret_cast<const char*>(p + 1 < p1 ? panel + panel_size : panel);
+        const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(panel + panel_size) : wrap;
         for (int64_t t = 0, r = r0; t < count; ++t) {
           const int64_t height = rows * (t + 1) / count - rows * t / count;
           const int64_t l0 = lines * t / count, l1 = lines * (t + 1) / count;
@@ -89,15 +134,15 @@ void gemm_panels(const T* x, int64_t ldx, const W* w, int64_t panel_size, const 
 }
 
 at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                       const std::optional<at::Tensor>& bias);
+                       const std::optional<at::Tensor>& bias, GemmNext after = {});
 
 bool gemm_vectorized();
 bool gemm_bf16_vectorized();
 at::Tensor pack_gemm_weight_w16(const at::Tensor& w);
 at::Tensor gemm_packed_w16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                           const std::optional<at::Tensor>& bias);
+                           const std::optional<at::Tensor>& bias, GemmNext after = {});
 at::Tensor pack_gemm_weight_bf16(const at::Tensor& w);
 at::Tensor gemm_packed_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                            const std::optional<at::Tensor>& bias);
+                            const std::optional<at::Tensor>& bias, GemmNext after = {});
 
 }  // namespace pagedllm

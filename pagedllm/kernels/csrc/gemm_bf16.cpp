@@ -135,7 +135,7 @@ at::Tensor pack_gemm_weight_bf16(const at::Tensor& w) {
 }
 
 at::Tensor gemm_packed_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                            const std::optional<at::Tensor>& bias) {
+                            const std::optional<at::Tensor>& bias, GemmNext after) {
   TORCH_CHECK(gemm_bf16_vectorized(), "pagedllm's bfloat16 GEMM needs a CPU with AVX512-BF16");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 &&
                   packed.size(1) == (x.size(1) + 1) / 2 && packed.size(2) == 2 * PANEL &&
@@ -153,7 +153,8 @@ at::Tensor gemm_packed_bf16(const at::Tensor& x, const at::Tensor& packed, int64
 #if defined(__AVX512BF16__)
   gemm_panels(static_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
               static_cast<const uint16_t*>(packed.data_ptr()), packed.size(1) * 2 * PANEL, b,
-              static_cast<uint16_t*>(y.data_ptr()), m, n, k, TILES.data(), GEMM_PARALLEL_MIN_MACS);
+              static_cast<uint16_t*>(y.data_ptr()), m, n, k, TILES.data(), GEMM_PARALLEL_MIN_MACS,
+              128, after);
 #endif
   return y;
 }

@@ -45,7 +45,7 @@ at::Tensor pack_gemm_weight_w16(const at::Tensor& w) {
 }
 
 at::Tensor gemm_packed_w16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                           const std::optional<at::Tensor>& bias) {
+                           const std::optional<at::Tensor>& bias, GemmNext after) {
   TORCH_CHECK(x.scalar_type() == at::kFloat &&
                   (packed.scalar_type() == at::kBFloat16 || packed.scalar_type() == at::kHalf) &&
                   packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == PANEL &&
@@ -64,7 +64,8 @@ at::Tensor gemm_packed_w16(const at::Tensor& x, const at::Tensor& packed, int64_
       packed.scalar_type() == at::kBFloat16 ? GEMM_TILES<WeightBF16> : GEMM_TILES<WeightF16>;
   gemm_panels<float, uint16_t>(x.data_ptr<float>(), x.stride(0),
                                static_cast<const uint16_t*>(packed.data_ptr()), k * PANEL, b,
-                               y.data_ptr<float>(), m, n, k, tiles, GEMM_PARALLEL_MIN_MACS, 64);
+                               y.data_ptr<float>(), m, n, k, tiles, GEMM_PARALLEL_MIN_MACS, 64,
+                               after);
   return y;
 }
 
