@@ -30,6 +30,7 @@ A linear that no adapter of the step targets is skipped by every way (``LoRAMapp
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,6 +82,27 @@ class LoRAMapping:
     # the linears some adapter of the step targets (None: every one with a stack); the others
     # add nothing and are skipped (under tensor parallelism: no all-reduce for them either)
     targeted: frozenset[nn.Module] | None = None
+
+    @functools.cached_property
+    def fusable(self) -> bool:
+        """Whether the decoder-layer ops can add the deltas themselves (kernels/csrc/
+        decoder_layer.cpp ``add_lora_``, the "dense" method's ops in its order): "dense" on
+        packed slots, one rank."""
+        return self.method == "dense" and self.onehot is not None and all(
+            st.packed_a is not None and st.packed_b is not None and st.reduce is None
+            for st in self.stacks.values())
+
+    def op_args(self, linear: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
+        """``linear``'s LoRA arguments for the decoder-layer ops (``fusable`` steps): [packed
+        A_flat, packed B_flat_j^T ...] and [rank, width_j ...]; empty where ``apply`` adds
+        nothing."""
+        stack = self.stacks.get(linear)
+        if stack is None or (self.targeted is not None and linear not in self.targeted):
+            return [], []
+        assert stack.packed_a is not None and stack.packed_b is not None
+        widths = [bf.shape[1] for bf in stack.b_flat]
+        assert stack.offsets == [sum(widths[:j]) for j in range(len(widths))], "shards in order"
+        return [stack.packed_a, *stack.packed_b], [stack.rank, *widths]
 
     def apply(self, linear: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (``linear``'s output [T, out] for input ``x`` [T, in]) plus the adapters'

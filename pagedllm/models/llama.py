@@ -125,8 +125,9 @@ class LlamaDecoderLayer(nn.Module):
         """-> (this layer's MLP output, the running sum before it). Each residual add is fused
         into the norm that follows it: ``residual + x`` then ``norm``, the same arithmetic as
         ``x = x + attn(norm(x)); x = x + mlp(norm(x))``."""
-        # a step with adapters runs the modules one by one: the deltas are added after each linear
-        if (self.fused and self.fused_layer and self.attend is not None and meta.lora is None
+        # adapters' deltas: in the two ops on a "dense" step, else the modules one by one
+        if (self.fused and self.fused_layer and self.attend is not None
+                and (meta.lora is None or meta.lora.fusable)
                 and type(kv_cache[0]) is type(kv_cache[1]) is torch.Tensor and kernels.fused(x)):
             return self._forward_ops(x, residual, cos, sin, kv_cache, meta)
         if residual is None:
@@ -150,17 +151,24 @@ class LlamaDecoderLayer(nn.Module):
         the same ops in the same order, without ~25 Python-level calls per layer."""
         attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         k_cache, v_cache = kv_cache
+        lora = meta.lora
+        no: tuple[list[torch.Tensor], list[int]] = ([], [])
+        qkv_lora, o_lora, gate_up_lora, down_lora = (
+            no if lora is None else lora.op_args(m)
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        onehot = None if lora is None else lora.onehot
         q = torch.ops.pagedllm.attn_in(  # [T, Hq, D]; the new K/V are in their slots
             x, residual, norm1.weight, norm1.eps, *attn.qkv_proj.op_args(), cos, sin,
             attn.num_heads, attn.num_kv_heads, k_cache, v_cache, meta.slot_mapping,
-            attn.o_proj.packed)
+            attn.o_proj.packed, onehot, *qkv_lora)
         residual = x if residual is None else residual
         assert self.attend is not None
         o = self.attend(q, k_cache, v_cache, meta, attn.scale, attn.sliding_window)
         h = torch.ops.pagedllm.attn_out_mlp(
             o, residual, *attn.o_proj.op_args(), norm2.weight, norm2.eps,
             *mlp.gate_up_proj.op_args(), *mlp.down_proj.op_args(),
-            self.after[0].packed if self.after else None)
+            self.after[0].packed if self.after else None, onehot, *o_lora, *gate_up_lora,
+            *down_lora)
         return h, residual
 
 

@@ -96,6 +96,39 @@ def test_mixed_batch_matches_hf_peft(lora_base: Path, adapters: dict[str, Path])
     llm.engine.kv.check_integrity()
 
 
+def test_decoder_layer_ops_add_the_deltas_with_the_modules_bits(
+        lora_base: Path, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps with adapters run the two decoder-layer ops, which add each linear's deltas
+    themselves (kernels/csrc/decoder_layer.cpp add_lora_: the "dense" method's ops in its
+    order): tokens and logprobs bitwise equal to the modules called one by one."""
+    from pagedllm import kernels
+    from pagedllm.models.llama import LlamaDecoderLayer
+
+    if not kernels.available():
+        pytest.skip(f"CPU kernels unavailable: {kernels.unavailable_reason()}")
+    fused_with_lora: list[int] = []
+    real = LlamaDecoderLayer._forward_ops
+
+    def counted(self: LlamaDecoderLayer, *a: object) -> object:
+        fused_with_lora.append(a[5].lora is not None)  # type: ignore[attr-defined]
+        return real(self, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LlamaDecoderLayer, "_forward_ops", counted)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    loras, prompts = _requests(adapters), _prompts(10, seed=3)
+    per_prompt = [loras[i % len(loras)] for i in range(len(prompts))]
+    got = {}
+    for fused in (True, False):
+        llm = LLM(str(lora_base), enable_lora=True, max_loras=4, max_lora_rank=16,
+                  num_kv_blocks=128, block_size=16, dtype="float32", fused_layers=fused)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                            lora_request=per_prompt)
+        got[fused] = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+        assert any(fused_with_lora) == fused
+        fused_with_lora.clear()
+    assert got[True] == got[False]
+
+
 def test_max_loras_one_many_adapters_correct(lora_base: Path, adapters: dict[str, Path]) -> None:
     """Four adapters and the base through one slot (and a 2-adapter host cache): every request
     finishes with HF + PEFT's tokens; the slot was reloaded as the adapters took turns."""

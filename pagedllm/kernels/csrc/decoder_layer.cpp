@@ -9,6 +9,9 @@
 //                                h = o @ Wo^T (+ b); residual <- h + residual; h = rms_norm(...);
 //                                -> down(silu_and_mul(gate_up(h)))
 //
+// A decode step with LoRA adapters ("dense" method) adds each linear's deltas right after it,
+// as the modules do (add_lora_; the op's lora_* arguments).
+//
 // ``after`` (each op's last argument): the packed weight of the linear that runs after the op's
 // last one (the layer's o_proj after attn_in, the next layer's qkv_proj or the LM head after
 // attn_out_mlp), so that every GEMM fetches the start of the one after it (gemm.h GemmNext).
@@ -78,6 +81,28 @@ void write_slots(const at::Tensor& x, const at::Tensor& cache, const at::Tensor&
   }
 }
 
+// y += the step's adapter deltas for x: lora/ops.py's "dense" method (LoRAMapping.apply), the
+// same ops in the same order, so the same bits as the module path. lora: [A_flat packed,
+// B_flat_j^T packed for each shard j]; dims: [rank, width_j ...]; onehot [T, S, 1] (each token's
+// slot; the base model's tokens all zero). Empty lora: no adapter of the step targets the linear.
+void add_lora_(const at::Tensor& x, const at::Tensor& y, const OptTensor& onehot,
+               at::TensorList lora, at::IntArrayRef dims) {
+  if (lora.empty()) return;
+  TORCH_CHECK(onehot.has_value() && onehot->dim() == 3 && lora.size() >= 2 &&
+                  dims.size() == lora.size(),
+              "a linear's LoRA arguments are [A, B_j ...] with [rank, width_j ...] and onehot");
+  const int64_t t = x.size(0), s = onehot->size(1), r = dims[0];
+  const int64_t n = static_cast<int64_t>(lora.size()) - 1;
+  const at::Tensor h = gemm_packed(x.contiguous(), lora[0], s * n * r, std::nullopt)
+                           .view({t, s, -1})
+                           .mul(*onehot);  // [T, S, n R]
+  for (int64_t j = 0, off = 0; j < n; off += dims[j + 1], ++j) {
+    const at::Tensor hj = h.narrow(2, j * r, r).reshape({t, s * r});
+    y.narrow(1, off, dims[j + 1])
+        .add_(gemm_packed(hj.contiguous(), lora[j + 1], dims[j + 1], std::nullopt));
+  }
+}
+
 }  // namespace
 
 at::Tensor attn_in(at::Tensor x, const OptTensor& residual, const at::Tensor& norm_weight,
@@ -85,7 +110,8 @@ at::Tensor attn_in(at::Tensor x, const OptTensor& residual, const at::Tensor& no
                    const OptTensor& qkv_bias, const at::Tensor& cos, const at::Tensor& sin,
                    int64_t num_heads, int64_t num_kv_heads, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                   const OptTensor& after) {
+                   const OptTensor& after, const OptTensor& lora_onehot, at::TensorList qkv_lora,
+                   at::IntArrayRef qkv_lora_dims) {
   at::Tensor h;
   if (residual.has_value()) {
     add_rms_norm_(x, *residual, norm_weight, eps);
@@ -94,6 +120,7 @@ at::Tensor attn_in(at::Tensor x, const OptTensor& residual, const at::Tensor& no
     h = rms_norm(x, norm_weight, eps);
   }
   const at::Tensor qkv = linear(h, qkv_packed, qkv_weight, qkv_bias, after);  // [T, (Hq+2Hkv) D]
+  add_lora_(h, qkv, lora_onehot, qkv_lora, qkv_lora_dims);
   const int64_t t = qkv.size(0), d = k_cache.size(3);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * d,
               "qkv_proj's output is not (num_heads + 2 * num_kv_heads) * head_dim");
@@ -113,12 +140,20 @@ at::Tensor attn_out_mlp(const at::Tensor& o, at::Tensor residual, const OptTenso
                         const OptTensor& gate_up_packed, const OptTensor& gate_up_weight,
                         const OptTensor& gate_up_bias, const OptTensor& down_packed,
                         const OptTensor& down_weight, const OptTensor& down_bias,
-                        const OptTensor& after) {
-  at::Tensor h = linear(o.reshape({o.size(0), -1}), o_packed, o_weight, o_bias, gate_up_packed);
+                        const OptTensor& after, const OptTensor& lora_onehot,
+                        at::TensorList o_lora, at::IntArrayRef o_lora_dims,
+                        at::TensorList gate_up_lora, at::IntArrayRef gate_up_lora_dims,
+                        at::TensorList down_lora, at::IntArrayRef down_lora_dims) {
+  const at::Tensor o2 = o.reshape({o.size(0), -1});
+  at::Tensor h = linear(o2, o_packed, o_weight, o_bias, gate_up_packed);
+  add_lora_(o2, h, lora_onehot, o_lora, o_lora_dims);
   add_rms_norm_(h, residual, norm_weight, eps);
-  const at::Tensor act =
-      silu_and_mul(linear(h, gate_up_packed, gate_up_weight, gate_up_bias, down_packed));
-  return linear(act, down_packed, down_weight, down_bias, after);
+  const at::Tensor gate_up = linear(h, gate_up_packed, gate_up_weight, gate_up_bias, down_packed);
+  add_lora_(h, gate_up, lora_onehot, gate_up_lora, gate_up_lora_dims);
+  const at::Tensor act = silu_and_mul(gate_up);
+  const at::Tensor y = linear(act, down_packed, down_weight, down_bias, after);
+  add_lora_(act, y, lora_onehot, down_lora, down_lora_dims);
+  return y;
 }
 
 }  // namespace pagedllm
@@ -128,12 +163,15 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "attn_in(Tensor(a!) x, Tensor(b!)? residual, Tensor norm_weight, float eps, "
       "Tensor? qkv_packed, Tensor? qkv_weight, Tensor? qkv_bias, Tensor cos, Tensor sin, "
       "int num_heads, int num_kv_heads, Tensor(c!) k_cache, Tensor(d!) v_cache, "
-      "Tensor slot_mapping, Tensor? after=None) -> Tensor",
+      "Tensor slot_mapping, Tensor? after, Tensor? lora_onehot, Tensor[] qkv_lora, "
+      "int[] qkv_lora_dims) -> Tensor",
       &pagedllm::attn_in);
   m.def(
       "attn_out_mlp(Tensor o, Tensor(a!) residual, Tensor? o_packed, Tensor? o_weight, "
       "Tensor? o_bias, Tensor norm_weight, float eps, Tensor? gate_up_packed, "
       "Tensor? gate_up_weight, Tensor? gate_up_bias, Tensor? down_packed, Tensor? down_weight, "
-      "Tensor? down_bias, Tensor? after=None) -> Tensor",
+      "Tensor? down_bias, Tensor? after, Tensor? lora_onehot, Tensor[] o_lora, "
+      "int[] o_lora_dims, Tensor[] gate_up_lora, int[] gate_up_lora_dims, Tensor[] down_lora, "
+      "int[] down_lora_dims) -> Tensor",
       &pagedllm::attn_out_mlp);
 }
