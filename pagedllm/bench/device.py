@@ -98,8 +98,9 @@ def measure_copy_bandwidth(device: str, nbytes: int | None = None, iters: int | 
 
 
 def decode_kv_bytes(batch: int, context: int, num_kv_heads: int, head_dim: int,
-                    elem_size: int) -> int:
-    """Bytes of K and V one decode step reads: every request's whole context, both caches."""
+                    elem_size: float) -> float:
+    """Bytes of K and V one decode step reads: every request's whole context, both caches
+    (``elem_size`` per element; a quantized row's scale spread over its elements)."""
     return batch * context * num_kv_heads * head_dim * 2 * elem_size
 
 

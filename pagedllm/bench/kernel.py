@@ -56,7 +56,7 @@ from pagedllm.bench.harness import interleaved
 from pagedllm.bench.kernel_case import Case, case
 from pagedllm.bench.report import machine_info, targets
 from pagedllm.choices import SUPPORTED_DTYPES as DTYPES
-from pagedllm.config import normalize_dtype
+from pagedllm.config import normalize_dtype, normalize_kv_cache_dtype
 
 BANDWIDTH_TARGET = 0.70  # decode KV bandwidth / spec peak at the longest context (issue 8)
 
@@ -85,7 +85,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-copy-bandwidth", dest="copy_bandwidth", action="store_false",
                    help="skip measuring the device copy bandwidth (the frac_copy reference)")
     add_output_args(p)
-    EngineArgs.add_cli_args(p, only=("model", "dtype", "seed", "device", "attention_backend"))
+    EngineArgs.add_cli_args(p, only=("model", "dtype", "seed", "device", "attention_backend",
+                                     "kv_cache_dtype"))
     p.add_argument("--backend", dest="attention_backend", help="= --attention-backend")
 
 
@@ -103,6 +104,7 @@ def run(a: argparse.Namespace) -> int:
         head_dim=a.head_dim or heads[2], rounds=a.rounds, iters=a.iters,
         backend=a.attention_backend, seed=a.seed, device=a.device,
         dtype=normalize_dtype(a.dtype, d["dtype"]), measure_copy=a.copy_bandwidth,
+        kv_cache_dtype=normalize_kv_cache_dtype(a.kv_cache_dtype),
     )
     return show(report_kernel(res, a.output_dir, a.output_json, a.plot))
 
@@ -155,9 +157,12 @@ def run_kernel(
     device: str = "cpu",
     dtype: str | None = None,
     measure_copy: bool = True,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """Time every (phase, context, block size) case; ``backend`` / ``dtype`` None take the
-    device's defaults (``kernel_defaults``)."""
+    device's defaults (``kernel_defaults``). ``kv_cache_dtype`` int8 / fp8_*: the paged side
+    reads quantized K/V (values and per-token, per-head scales), the contiguous SDPA the same
+    values dequantized to ``dtype`` (auto: K/V in ``dtype`` both ways)."""
     import torch
 
     defaults = kernel_defaults(device)
@@ -167,7 +172,10 @@ def run_kernel(
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     require_device(device)
     heads = (num_heads, num_kv_heads, head_dim)
-    elem = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    kv_dtype = None if kv_cache_dtype == "auto" else kv_cache_dtype
+    # bytes per K/V element the paged side reads: a quantized row adds its bf16 scale
+    elem = (torch.empty(0, dtype=getattr(torch, dtype)).element_size() if kv_dtype is None
+            else 1 + 2 / head_dim)
     name = device_name(device)
     peak = peak_memory_bandwidth(name)
     copy = measure_copy_bandwidth(device) if measure_copy else {"measured": False}
@@ -177,7 +185,7 @@ def run_kernel(
             for ctx in contexts:
                 for bs in block_sizes:
                     b = batch if phase == "decode" else 1
-                    c = case(phase, b, ctx, bs, *heads, backend, seed, device, dtype)
+                    c = case(phase, b, ctx, bs, *heads, backend, seed, device, dtype, kv_dtype)
                     row = {"phase": phase, "context": ctx, "block_size": bs, "batch": b,
                            **_time_case(c, rounds, iters, device)}
                     row.update(_rates(phase, b, ctx, *heads, elem, row.pop("_paged_s"),
@@ -191,7 +199,7 @@ def run_kernel(
         "device": device,
         "device_name": name,
         "shape": {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-                  "dtype": dtype, "decode_batch": batch},
+                  "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "decode_batch": batch},
         "peak_bandwidth_bytes_per_s": peak,
         "peak_bandwidth_source": ("spec table, pagedllm.bench.device.PEAK_BANDWIDTH" if peak
                                   else "unknown (CPU, or a GPU not in the table)"),
@@ -248,7 +256,7 @@ def _summary_and_targets(rows: list[dict[str, Any]], phases: tuple[str, ...],
     return {"summary": summary, "targets": targets(checks)}
 
 
-def _rates(phase: str, batch: int, context: int, hq: int, hkv: int, d: int, elem: int,
+def _rates(phase: str, batch: int, context: int, hq: int, hkv: int, d: int, elem: float,
            paged_s: float, cont_s: float, peak: float | None,
            copy_bw: float | None) -> dict[str, Any]:
     """Decode: KV bytes read and GB/s (and fractions of peak / copy); prefill: FLOPs, TFLOP/s."""

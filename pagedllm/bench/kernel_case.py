@@ -38,16 +38,20 @@ class _Data(NamedTuple):
 
 
 def case(phase: str, batch: int, context: int, block_size: int, hq: int, hkv: int, d: int,
-         backend_name: str, seed: int, device: str = "cpu", dtype: str = "float32") -> Case:
+         backend_name: str, seed: int, device: str = "cpu", dtype: str = "float32",
+         kv_dtype: str | None = None) -> Case:
     """The same attention step both ways (checked to agree), plus the CPU backend's gather and
-    contiguous decode with a length mask."""
+    contiguous decode with a length mask. ``kv_dtype`` (int8 / fp8_*): the pool holds K/V
+    quantized, the contiguous side the same values dequantized."""
     import torch
 
     from pagedllm.attention import get_backend
+    from pagedllm.attention.quant import load_blocks
 
     if phase != "decode" and batch != 1:
         raise ValueError("prefill cases use one request")
-    x = _data(phase, batch, context, block_size, hq, hkv, d, seed, device, getattr(torch, dtype))
+    x = _data(phase, batch, context, block_size, hq, hkv, d, seed, device, getattr(torch, dtype),
+              kv_dtype)
     backend = get_backend(backend_name, device)
     scale = d ** -0.5
 
@@ -65,17 +69,17 @@ def case(phase: str, batch: int, context: int, block_size: int, hq: int, hkv: in
         tables = x.tables.long()
 
         def gather() -> Any:  # what the CPU backend materialises before its SDPA call
-            return x.k_cache[tables].float(), x.v_cache[tables].float()
+            return load_blocks(x.k_cache, tables).float(), load_blocks(x.v_cache, tables).float()
 
     err = _check(paged, contiguous, phase, context, block_size, dtype)
     return Case(paged, contiguous, gather, masked, err, impl)
 
 
 def _data(phase: str, batch: int, context: int, block_size: int, hq: int, hkv: int, d: int,
-          seed: int, device: str, dt: Any) -> _Data:
+          seed: int, device: str, dt: Any, kv_dtype: str | None = None) -> _Data:
     """Random K/V of ``batch`` requests of ``context`` tokens, contiguous and scattered over a
     shuffled pool (one spare block); the step rewrites the last position (decode) or all of
-    them (prefill)."""
+    them (prefill). ``kv_dtype``: the pool quantized, the contiguous K/V its values."""
     import torch
 
     from pagedllm.attention import AttentionMetadata
@@ -87,12 +91,10 @@ def _data(phase: str, batch: int, context: int, block_size: int, hq: int, hkv: i
     v_cont = torch.randn(batch, hkv, context, d, generator=g, device=device, dtype=dt)
     perm = torch.randperm(nb, generator=g, device=device)[:batch * per_req]
     perm = perm.view(batch, per_req).to(torch.int32)  # [B, blocks per request]
-    k_cache = torch.zeros(nb, block_size, hkv, d, device=device, dtype=dt)
-    v_cache = torch.zeros(nb, block_size, hkv, d, device=device, dtype=dt)
     pos = torch.arange(context, device=device)
     slots = (perm.long()[:, pos // block_size] * block_size + pos % block_size)  # [B, L]
-    k_cache.view(-1, hkv, d)[slots.reshape(-1)] = k_cont.permute(0, 2, 1, 3).reshape(-1, hkv, d)
-    v_cache.view(-1, hkv, d)[slots.reshape(-1)] = v_cont.permute(0, 2, 1, 3).reshape(-1, hkv, d)
+    k_cache, k_cont = _pool(k_cont, slots, nb, block_size, kv_dtype)
+    v_cache, v_cont = _pool(v_cont, slots, nb, block_size, kv_dtype)
     if phase == "decode":
         q = torch.randn(batch, hq, d, generator=g, device=device, dtype=dt)
         k_new = k_cont[:, :, -1].clone()  # [B, Hkv, D]: rewrite the last position
@@ -114,6 +116,35 @@ def _data(phase: str, batch: int, context: int, block_size: int, hq: int, hkv: i
         seq_lens_cpu=lens,
     )
     return _Data(k_cont, v_cont, k_cache, v_cache, perm, q, k_new, v_new, meta)
+
+
+def _pool(cont: Any, slots: Any, nb: int, block_size: int, kv_dtype: str | None) -> tuple[Any, Any]:
+    """(the pool [nb, block_size, Hkv, D] holding ``cont`` [B, Hkv, L, D] at ``slots`` [B, L],
+    the contiguous K or V its values read back): plain, or quantized (``QuantizedKV``)."""
+    import torch
+
+    from pagedllm.attention.quant import QMAX, QUANT_DTYPES, QuantizedKV, dequantize, quantize
+
+    b, hkv, length, d = cont.shape
+    rows = cont.permute(0, 2, 1, 3).reshape(-1, hkv, d)  # [B*L, Hkv, D] in slot order
+    if kv_dtype is None:
+        pool = torch.zeros(nb, block_size, hkv, d, device=cont.device, dtype=cont.dtype)
+        pool.view(-1, hkv, d)[slots.reshape(-1)] = rows
+        return pool, cont
+    qdt = QUANT_DTYPES[kv_dtype]
+    q, scale = quantize(rows, qdt)
+    # each row's largest value at the format's largest magnitude: then quantizing the values
+    # read back gives these bits again (the step's rewrite of its rows then changes nothing)
+    qf = q.float()
+    top = qf.abs().argmax(dim=-1, keepdim=True)
+    sign = torch.where(qf.gather(-1, top) < 0, -1.0, 1.0)
+    q = qf.scatter(-1, top, sign * QMAX[qdt]).to(qdt)
+    data = torch.zeros(nb, block_size, hkv, d, device=cont.device, dtype=torch.int8)
+    data.view(-1, hkv, d)[slots.reshape(-1)] = q.view(torch.int8)  # fp8 as its bytes
+    scales = torch.ones(nb, block_size, hkv, device=cont.device, dtype=scale.dtype)
+    scales.view(-1, hkv)[slots.reshape(-1)] = scale
+    back = dequantize(q, scale, cont.dtype).view(b, length, hkv, d).permute(0, 2, 1, 3)
+    return QuantizedKV(data.view(qdt), scales), back.contiguous()
 
 
 def _contiguous_decode(x: _Data, batch: int, hq: int, hkv: int, d: int, scale: float,

@@ -324,6 +324,23 @@ def test_bench_kernel_cli(tmp_path: Path) -> None:
     assert all(r["paged_ms"] > 0 and r["contiguous_ms"] > 0 for r in res["results"])
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_bench_kernel_quantized_kv(tmp_path: Path, kv: str) -> None:
+    """--kv-cache-dtype: the paged side reads the quantized pool, the contiguous SDPA its values
+    dequantized; the case's own agreement check passes (it raises otherwise), and the bytes a
+    decode reads are 1 per element plus the bf16 scale per row."""
+    out = tmp_path / "k.json"
+    res = _run(["bench", "kernel", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "16",
+                "--contexts", "8,33", "--block-sizes", "16", "--batch", "3", "--rounds", "1",
+                "--iters", "1", "--no-plot", "--kv-cache-dtype", kv, "--output-dir",
+                str(tmp_path), "--output-json", str(out)], out)
+    assert res["shape"]["kv_cache_dtype"] == {"int8": "int8", "fp8": "fp8_e4m3"}[kv]
+    assert len(res["results"]) == 2 * 2
+    decode = [r for r in res["results"] if r["phase"] == "decode"]
+    assert [r["kv_bytes"] for r in decode] == [2 * 3 * c * 2 * 16 * (1 + 2 / 16) for c in (8, 33)]
+    assert all(r["max_abs_diff"] < 1e-3 for r in res["results"])
+
+
 @pytest.fixture(scope="module")
 def live_server(model: Path) -> Iterator[ServerThread]:
     """The real OpenAI server (uvicorn + the in-process EngineClient) in-process on a loopback port."""
