@@ -13,7 +13,7 @@ import torch
 from test_backends import HEADS, TOL, compare_with_torch_ref, cpu_backend, make_batch
 
 from pagedllm.attention.cpu import CpuBackend, paged_attention
-from pagedllm.attention.quant import QuantizedKV, quantize
+from pagedllm.attention.quant import QMAX, QuantizedKV, quantize
 from pagedllm.attention.torch_ref import TorchRefBackend
 
 # Decode-only, ragged, around the kernel's 64-position tiles (1, 63, 64, 65, several tiles).
@@ -80,6 +80,24 @@ def test_quantized_cache(kernel: CpuBackend, kd: torch.dtype | None, vd: torch.d
     ref = TorchRefBackend().forward(q, k, v, kc, vc, meta, d**-0.5)
     out = kernel.forward(q, k, v, kc, vc, meta, d**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("fp8", [E4, E5])
+def test_fp8_rows_widen_exactly_for_every_code(kernel: CpuBackend, fp8: torch.dtype) -> None:
+    """Every finite fp8 code (normal, subnormal, both zeros) through the kernel's widening
+    (common.h fp8_bits_to_float): a request's only position attends with weight exactly 1, so
+    the output is its V row as the kernel widened it, equal to torch's own conversion."""
+    gen = torch.Generator().manual_seed(5)
+    meta, nb = make_batch([(0, 1)], 16, gen)
+    codes = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    codes[~torch.isfinite(codes)] = 0.0  # NaN / inf codes: never in a quantized cache
+    assert codes.abs().max() == QMAX[fp8]  # the row's scale is then exactly 1
+    v_new = codes.view(1, 1, 256)
+    q, k = torch.randn(2, 1, 1, 256, generator=gen)
+    vc = QuantizedKV(torch.zeros(nb, 16, 1, 256, dtype=fp8),
+                     torch.ones(nb, 16, 1, dtype=torch.bfloat16))
+    out = kernel.forward(q, k, v_new, torch.zeros(nb, 16, 1, 256), vc, meta, 256**-0.5)
+    assert torch.equal(out.view(256), codes)
 
 
 def test_online_softmax_across_tiles(kernel: CpuBackend) -> None:

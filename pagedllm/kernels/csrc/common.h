@@ -68,6 +68,26 @@ inline const float* fp8_table(Kind k) {
   return (k == Kind::E4M3 ? tables[0] : tables[1]).data();
 }
 
+// An fp8 value (E exponent bits, M mantissa bits, bias 2^(E-1) - 1) as fp32, exactly, for every
+// finite value (a quantized cache holds no NaN or infinity: values are clamped to the format's
+// largest): normal values move their exponent and mantissa into fp32's fields; subnormal ones
+// (exponent 0) are m * 2^(1 - bias - M). The same values as fp8_table (both tested over every
+// code: tests/attention/test_cpu_kernel.py, with PAGEDLLM_ISA=avx2 for the table).
+template <int E, int M>
+inline float fp8_bits_to_float(uint8_t b) {
+  constexpr int BIAS = (1 << (E - 1)) - 1;
+  const uint32_t e = (b >> M) & ((1u << E) - 1), m = b & ((1u << M) - 1);
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80) << 24;
+  const uint32_t normal = sign | ((e + 127 - BIAS) << 23) | (m << (23 - M));
+  const float sub_mag = static_cast<float>(m) * (1.0f / static_cast<float>(1u << (BIAS - 1 + M)));
+  uint32_t sub;
+  std::memcpy(&sub, &sub_mag, 4);
+  const uint32_t bits = e == 0 ? (sign | sub) : normal;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // dst[0:n] = src[0:n] (of kind k) * s, in fp32. Dequantizing is exact: an 8-bit value times a
 // bf16 scale fits an fp32 mantissa, so this equals attention/quant.py's dequantize bit for bit.
 inline void to_float(Kind k, const void* src, float s, float* __restrict dst, int64_t n) {
@@ -105,9 +125,22 @@ inline void to_float(Kind k, const void* src, float s, float* __restrict dst, in
     case Kind::E4M3:
     case Kind::E5M2: {
       const uint8_t* x = static_cast<const uint8_t*>(src);
+#if defined(__AVX512F__)
+      // bits to fp32 by arithmetic: 16 lanes at once, where the table is 16 gathers (125M
+      // shapes, fp8 KV decode: 1.5-1.9x -> 1.0-1.3x of contiguous SDPA). On AVX2 the same code
+      // measured slower than the table (2.0x -> 3.4-4.2x), so AVX2 builds keep the table.
+      if (k == Kind::E4M3) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) dst[i] = fp8_bits_to_float<4, 3>(x[i]) * s;
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) dst[i] = fp8_bits_to_float<5, 2>(x[i]) * s;
+      }
+#else
       const float* lut = fp8_table(k);
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) dst[i] = lut[x[i]] * s;
+#endif
       break;
     }
   }
