@@ -60,6 +60,14 @@ class LoRAStack:
     packed_a: torch.Tensor | None = None
     packed_b: list[torch.Tensor] | None = None
 
+    @functools.cached_property
+    def op_dims(self) -> list[int]:
+        """[rank, width_j ...]: the shard sizes the decoder-layer ops take (``LoRAMapping.
+        op_args``); the shards lie in order from column 0."""
+        widths = [bf.shape[1] for bf in self.b_flat]
+        assert self.offsets == [sum(widths[:j]) for j in range(len(widths))], "shards in order"
+        return [self.rank, *widths]
+
     def pack(self, num_slots: int) -> None:
         """Pack the slots' A and B for the dense method's GEMMs (after a slot load)."""
         pack = torch.ops.pagedllm.pack_gemm_weight
@@ -100,9 +108,7 @@ class LoRAMapping:
         if stack is None or (self.targeted is not None and linear not in self.targeted):
             return [], []
         assert stack.packed_a is not None and stack.packed_b is not None
-        widths = [bf.shape[1] for bf in stack.b_flat]
-        assert stack.offsets == [sum(widths[:j]) for j in range(len(widths))], "shards in order"
-        return [stack.packed_a, *stack.packed_b], [stack.rank, *widths]
+        return [stack.packed_a, *stack.packed_b], stack.op_dims
 
     def apply(self, linear: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (``linear``'s output [T, out] for input ``x`` [T, in]) plus the adapters'

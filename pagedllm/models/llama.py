@@ -93,6 +93,9 @@ class LlamaMLP(nn.Module):
         return lora.apply(self.down_proj, h, self.down_proj(h))
 
 
+NO_LORA: tuple[list[torch.Tensor], list[int]] = ([], [])  # a linear's LoRA op args: none
+
+
 class LlamaDecoderLayer(nn.Module):
     fused = True  # may run the fused CPU ops (kernels.set_fused_ops)
     # and, where it can, as the two decoder-layer ops (kernels.set_fused_ops(.., "fused_layer"))
@@ -152,11 +155,14 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         k_cache, v_cache = kv_cache
         lora = meta.lora
-        no: tuple[list[torch.Tensor], list[int]] = ([], [])
-        qkv_lora, o_lora, gate_up_lora, down_lora = (
-            no if lora is None else lora.op_args(m)
-            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
-        onehot = None if lora is None else lora.onehot
+        if lora is None:  # the common step: no per-linear work
+            qkv_lora = o_lora = gate_up_lora = down_lora = NO_LORA
+            onehot = None
+        else:
+            qkv_lora, o_lora, gate_up_lora, down_lora = (
+                lora.op_args(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                          mlp.down_proj))
+            onehot = lora.onehot
         q = torch.ops.pagedllm.attn_in(  # [T, Hq, D]; the new K/V are in their slots
             x, residual, norm1.weight, norm1.eps, *attn.qkv_proj.op_args(), cos, sin,
             attn.num_heads, attn.num_kv_heads, k_cache, v_cache, meta.slot_mapping,
