@@ -135,13 +135,22 @@ def summarize_rounds(rounds: list[dict[str, Any]], before: float | None) -> dict
     RSS to the next's, which ignores one late growth (an allocator arena, a cache filled once: CI
     saw 880 -> 911 -> 913 MiB), and the median of the slopes between every two rounds
     (Theil-Sen), which ignores idle RSS that goes up and down (CI saw 931 -> 943 -> 915 -> 936:
-    rises 12, -28, 20, median 16; slopes' median -1)."""
+    rises 12, -28, 20, median 16; slopes' median -1), and the rise of the floor: the lowest idle
+    RSS of the later half of the rounds over the lowest of the earlier half, per round between
+    them. A leak lifts every round's idle RSS, the lowest too; a wobble of one arena taken and
+    given back in alternate rounds does not (CI saw 897 -> 942 -> 900 -> 941: rises' median 41,
+    slopes' 8, the floor 897 -> 900, 1.5 per round)."""
     idle = [r["rss_idle_mib"] for r in rounds if r["rss_idle_mib"] is not None]
     over = None if before is None or not idle else 100.0 * (max(idle) - before) / before
     rises = [b - a for a, b in zip(idle[1:], idle[2:])]
     slopes = [(idle[j] - idle[i]) / (j - i) for i in range(1, len(idle))
               for j in range(i + 1, len(idle))]
-    creep = min(statistics.median(rises), statistics.median(slopes)) if rises else None
+    after = idle[1:]  # past the warm-up round
+    half = len(after) // 2
+    # the floor's rise: the lowest idle RSS of the later rounds over that of the earlier ones
+    floor = (min(after[-half:]) - min(after[:half])) / (len(after) - half) if half else None
+    creep = min(statistics.median(rises), statistics.median(slopes),
+                floor if floor is not None else float("inf")) if rises else None
     return {"rounds": rounds, "rss_before_mib": before, "rss_idle_mib": idle,
             "rss_idle_over_before_pct": over, "rss_creep_mib_per_round": creep,
             "server_errors": sum(n for r in rounds for s, n in r["statuses"].items()
