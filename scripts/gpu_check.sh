@@ -5,28 +5,32 @@
 #     OUT=/some/dir bash scripts/gpu_check.sh        # results in $OUT (default ./gpu-results)
 #
 # Steps, in order, each under its own `timeout`, all inside one wall-clock budget
-# (GPU_CHECK_BUDGET_S, default 480 s; a step that would start with under 30 s left is skipped):
+# (GPU_CHECK_BUDGET_S, default 560 s; a step that would start with under 30 s left is skipped):
 #   env         nvidia-smi, python / torch / CUDA / triton / transformers versions
-#   pytest      the GPU-marked tests: pytest -m cuda (exit 5, "no tests ran", is fine)
+#   pytest      the GPU-marked tests (tests/gpu) and the Triton kernels' tests on this GPU
 #   kernel      pagedllm bench kernel --device cuda: decode KV bandwidth vs the GPU's peak and
 #               a measured copy, prefill TFLOP/s, paged vs contiguous SDPA      -> kernel.json
-#   model       a ~1B-parameter random-weight Llama (bf16) into $MODEL_DIR (not into $OUT)
+#   model       a random-weight Llama of $MODEL_PRESET (~1B, bf16) into $MODEL_DIR (not $OUT)
 #   throughput  bench throughput --device cuda --dtype bfloat16, pagedllm vs HF generate
 #                                                                              -> throughput.json
+#   lora        the model with 8 random adapters (rank 16): base vs LoRA with its decode graphs
+#               vs LoRA eager, one run (issue 29's >= 0.7x)              -> throughput-lora.json
 #   eager       the same workload, pagedllm only, --enforce-eager       -> throughput-eager.json
 #   summary     the headline numbers and targets of the JSON files      -> summary.txt
 # Every step's full output is in $OUT/<step>.log; the last lines are echoed here.
 # Knobs (env): GPU_CHECK_STEPS (comma list of the steps above), NUM_PROMPTS (128), REPS (2),
-# HF_BATCH (32), MODEL_DIR (/tmp/pagedllm-llama-1b), PYTHON, TAIL (lines echoed per step).
+# HF_BATCH (32), MODEL_PRESET (1b), MODEL_DIR (/tmp/pagedllm-llama-$MODEL_PRESET), PYTHON,
+# TAIL (lines echoed per step).
 set -uo pipefail
 
 OUT="${OUT:-./gpu-results}"
-BUDGET="${GPU_CHECK_BUDGET_S:-480}"
-STEPS=",${GPU_CHECK_STEPS:-env,pytest,kernel,model,throughput,eager,summary},"
+BUDGET="${GPU_CHECK_BUDGET_S:-560}"
+STEPS=",${GPU_CHECK_STEPS:-env,pytest,kernel,model,lora,throughput,eager,summary},"
 NUM_PROMPTS="${NUM_PROMPTS:-128}"
 REPS="${REPS:-2}"
 HF_BATCH="${HF_BATCH:-32}"
-MODEL_DIR="${MODEL_DIR:-/tmp/pagedllm-llama-1b}"
+MODEL_PRESET="${MODEL_PRESET:-1b}"
+MODEL_DIR="${MODEL_DIR:-/tmp/pagedllm-llama-$MODEL_PRESET}"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 TAIL="${TAIL:-30}"
 
@@ -116,7 +120,7 @@ if torch.cuda.is_available():
 '
     head -n 20 "$OUT/nvidia-smi.txt" | sed "s/^/  [nvidia-smi] /"
 fi
-if { want pytest || want kernel || want model || want throughput || want eager; } &&
+if { want pytest || want kernel || want model || want throughput || want eager || want lora; } &&
     ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     log "FATAL: torch sees no CUDA GPU; nothing below can run"
     exit 1
@@ -126,8 +130,13 @@ fi
 # -- pytest -m cuda ----------------------------------------------------------------------------
 if want pytest; then
     if "$PY" -c 'import pytest' 2>/dev/null; then
-        run_step pytest-cuda 120 "$PY" -m pytest -m cuda -q -p no:cacheprovider \
-            --continue-on-collection-errors tests
+        # the cuda-marked engine tests, and the Triton kernels' own tests (which run in the
+        # interpreter on CPU elsewhere) compiled for this GPU: TRITON_INTERPRET=0 sends them to cuda
+        TRITON_INTERPRET=0 run_step pytest-cuda "${PYTEST_LIMIT_S:-300}" "$PY" -m pytest -q \
+            -p no:cacheprovider -rfE --timeout 120 -m "cuda or not slow" \
+            --continue-on-collection-errors tests/gpu tests/attention/test_triton.py \
+            tests/lora/test_lora_triton.py tests/attention/test_kv_quant.py \
+            tests/attention/test_window_tables.py
         rc=$?
         ((rc == 5)) && log "pytest: no tests are marked cuda (exit 5), fine"
     else
@@ -147,11 +156,17 @@ if want model; then
         log "model: reusing $MODEL_DIR"
     else
         run_step random-model 150 "$PY" -m pagedllm.entrypoints.cli bench random-model "$MODEL_DIR" \
-            --preset 1b --device cuda
+            --preset "$MODEL_PRESET" --device cuda
     fi
 fi
 TP_ARGS=(--model "$MODEL_DIR" --device cuda --dtype bfloat16 --num-prompts "$NUM_PROMPTS"
     --reps "$REPS" --max-num-seqs 128 --output-dir "$OUT")
+if want lora && ((HAVE_TRITON)) && [[ -f "$MODEL_DIR/config.json" ]]; then
+    run_step throughput-lora 200 "$PY" -m pagedllm.entrypoints.cli bench throughput "${TP_ARGS[@]}" \
+        --backends "pagedllm,pagedllm[enable_lora=true,max_loras=8],pagedllm[enable_lora=true,\
+max_loras=8,enforce_eager=true]" --lora-adapters 8 --max-lora-rank 16 \
+        --gpu-memory-utilization 0.25 --output-json "$OUT/throughput-lora.json" --no-plot
+fi
 if want throughput; then
     if [[ ! -f "$MODEL_DIR/config.json" ]]; then
         log "SKIP throughput: no model at $MODEL_DIR"
@@ -213,7 +228,7 @@ if k:
         print(f"   target {t['target']}: {t['value']} -> {'met' if t['met'] else 'MISSED'}")
 else:
     print("== kernel: no kernel.json")
-for name in ("throughput.json", "throughput-eager.json"):
+for name in ("throughput.json", "throughput-eager.json", "throughput-lora.json"):
     t = load(name)
     if not t:
         print(f"== {name}: missing")

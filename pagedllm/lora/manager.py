@@ -68,6 +68,13 @@ class LoRAManager:
         self.paging_s = 0.0  # time spent paging in, copying pages into slots, repacking slots
 
     @property
+    def graphable(self) -> bool:
+        """Whether decode graphs can record the deltas (runner/cuda_graph.py): a method that
+        reads no host data per step, i.e. not one forced to "dense" or "loop"."""
+        return self.method in (None, "triton", "gather") and all(
+            st.reduce is None for st in self.stacks.values())
+
+    @property
     def base_slot(self) -> int:
         return self.config.max_loras
 
@@ -152,7 +159,7 @@ class LoRAManager:
             onehot = onehot.to(self.dtype)
             onehot = onehot.unsqueeze(-1).to(self.device)  # [T, S, 1]: base tokens all zero
         return LoRAMapping(token_slots.to(self.device), groups, self.stacks, method, onehot,
-                           targeted)
+                           targeted, token_slots)
 
     def _slot(self, req: LoRARequest, in_step: list[int], pages: list[int],
               read: Callable[[list[int]], torch.Tensor]) -> int:

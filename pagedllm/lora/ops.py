@@ -90,6 +90,7 @@ class LoRAMapping:
     # the linears some adapter of the step targets (None: every one with a stack); the others
     # add nothing and are skipped (under tensor parallelism: no all-reduce for them either)
     targeted: frozenset[nn.Module] | None = None
+    host_slots: torch.Tensor | None = None  # token_slots on the host (a decode graph's input)
 
     @functools.cached_property
     def fusable(self) -> bool:

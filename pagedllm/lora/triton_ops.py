@@ -5,9 +5,10 @@ token and output tile, each token reading its own adapter's slot)::
     expand   y[t, off_j + o]     += B_j[slot[t]] @ h[t, jR:(j+1)R]   B_j [S+1, out_j, R]
 
 The base model's tokens point at slot S, all zeros, and add nothing. Accumulation in fp32.
-``LoRAMapping.method`` "triton" (lora/ops.py) runs them; the engine picks it on CUDA. Tested
-against the per-token reference in Triton's interpreter on CPU tensors
-(``tests/lora/test_lora_triton.py``); not yet run or timed on a GPU.
+``LoRAMapping.method`` "triton" (lora/ops.py) runs them; the engine picks it on CUDA, and its
+decode CUDA graphs record them (runner/cuda_graph.py). Tested against the per-token reference
+(``tests/lora/test_lora_triton.py``): in Triton's interpreter on CPU tensors, and compiled on an
+H200 (``TRITON_INTERPRET=0``); timed there in docs/features/lora.md.
 """
 
 from __future__ import annotations

@@ -7,11 +7,12 @@ bucket, run eagerly. Sizes: 1, 2, 4, then every multiple of 8 up to ``max_num_se
 
 Static input (device, int64), the layout of a G-row step::
 
-    static[: G * (4 + W)] = [ ids[G] | positions[G] | slots[G] | seq_lens[G] | tables^T[W, G] ]
+    static[: G * (5 + W)] = [ ids[G] | positions[G] | slots[G] | seq_lens[G] | adapters[G]
+                              | tables^T[W, G] ]
 
 ``W`` = blocks of one ``max_model_len`` request. The tables are stored transposed (column j of
 every row together), so a step whose longest table has ``w`` blocks fills and copies only the
-first ``G * (4 + w)`` elements; columns past ``w`` hold stale block ids that the kernels never
+first ``G * (5 + w)`` elements; columns past ``w`` hold stale block ids that the kernels never
 read (they stop at seq_lens). One pinned host buffer of the same layout is filled per step and
 copied with one non-blocking copy; the captured graph itself slices it, transposes the tables
 and casts seq_lens / tables to int32, so a replay is: fill, copy, ``graph.replay()``.
@@ -19,6 +20,13 @@ and casts seq_lens / tables to int32, so a replay is: fill, copy, ``graph.replay
 Padding rows repeat row 0 (same token, position, slot, table): they recompute row 0's K/V and
 write the same values to row 0's slot, so no block is touched that the batch does not own, and
 every backend works unchanged. Their outputs are dropped.
+
+LoRA (``lora``: the runner's ``LoRAManager``, when adapters are enabled): every graph records each
+adapted linear's delta with the step's per-row adapter slots read from the ``adapters`` row
+(``LoRAMapping`` over the slot stacks, which stay at one address: a slot load copies into them).
+A row without an adapter reads the base slot, all zeros, so steps with and without adapters
+replay the same graphs. The recorded method is one that needs no host data: the Triton kernels on
+CUDA, "gather" (``torch.bmm`` over gathered slots) on CPU, where ``capture=False`` tests it.
 
 Attention metadata in a graph is static: ``max_seq_len`` is ``max_model_len`` (the decode
 kernel's split-K grid is fixed at capture) and the host lists are the capture-time values, so
@@ -34,19 +42,25 @@ CUDA graphs cannot run.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.logging_utils import init_logger
+from pagedllm.lora.ops import LoRAMapping
 from pagedllm.runner.batch import HostBatch
 from pagedllm.runner.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from pagedllm.lora.manager import LoRAManager
 
 logger = init_logger(__name__)
 
 # (input_ids [T], positions [T], kv_cache, meta) -> hidden [T, hidden]
 Forward = Callable[[torch.Tensor, torch.Tensor, KVCache, AttentionMetadata], torch.Tensor]
+ROWS = 5  # ids, positions, slots, seq_lens, adapters: the per-row fields before the tables
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -58,8 +72,10 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, forward: Forward, kv_cache: KVCache, max_num_seqs: int,
                  max_model_len: int, block_size: int, device: torch.device,
-                 capture: bool = True) -> None:
+                 capture: bool = True, lora: LoRAManager | None = None) -> None:
         self.forward = forward
+        self.lora = lora  # adapters recorded in every graph (None: no LoRA in this engine)
+        self.base_slot = 0 if lora is None else lora.base_slot
         self.kv_cache = kv_cache
         self.sizes = capture_sizes(max_num_seqs)
         self.max_model_len = max_model_len
@@ -67,7 +83,7 @@ class DecodeGraphs:
         self.device = device
         self.capture = capture
         gmax = self.sizes[-1]
-        n = gmax * (4 + self.width)
+        n = gmax * (ROWS + self.width)
         self.static = torch.zeros(n, dtype=torch.int64, device=device)
         self.host = torch.zeros(n, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._copied: torch.cuda.Event | None = None  # the last host->static copy (batch.py)
@@ -85,24 +101,29 @@ class DecodeGraphs:
                 return s
         return None
 
-    def can_run(self, hb: HostBatch) -> bool:
-        return hb.is_decode_only and self.bucket(hb.num_reqs) is not None
+    def can_run(self, hb: HostBatch, lora: LoRAMapping | None = None) -> bool:
+        """A decode-only step that fits a bucket, with adapters only if the graphs record them."""
+        return (hb.is_decode_only and self.bucket(hb.num_reqs) is not None
+                and (lora is None or self.lora is not None))
 
     # -- the recorded computation ---------------------------------------------------------------
     def _static_forward(self, g: int, seq_lens_cpu: list[int]) -> torch.Tensor:
         w = self.width
-        flat = self.static[: g * (4 + w)]
+        flat = self.static[: g * (ROWS + w)]
         ids, pos, slots = flat[:g], flat[g : 2 * g], flat[2 * g : 3 * g]
         meta = AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=self.arange[: g + 1],
             seq_lens=flat[3 * g : 4 * g].to(torch.int32),
-            block_tables=flat[4 * g :].view(w, g).t().to(torch.int32).contiguous(),
+            block_tables=flat[ROWS * g :].view(w, g).t().to(torch.int32).contiguous(),
             max_query_len=1,
             max_seq_len=self.max_model_len,
             query_start_loc_cpu=list(range(g + 1)),
             seq_lens_cpu=seq_lens_cpu,
         )
+        if self.lora is not None:  # every adapted linear, each row's slot from the adapters row
+            method = "triton" if self.device.type == "cuda" else "gather"
+            meta.lora = LoRAMapping(flat[4 * g : 5 * g], [], self.lora.stacks, method)
         return self.forward(ids, pos, self.kv_cache, meta)
 
     def capture_all(self, warmup: bool = True) -> None:
@@ -139,12 +160,15 @@ class DecodeGraphs:
         """Capture-time inputs: every row token 0 at position 0, slot 0 of block 0 (block 0's
         first slot gets written during warm-up; the cache is empty at start-up)."""
         w = self.width
-        self.static[: g * (4 + w)].zero_()
+        self.static[: g * (ROWS + w)].zero_()
         self.static[3 * g : 4 * g].fill_(1)
+        self.static[4 * g : 5 * g].fill_(self.base_slot)
 
     # -- a step -----------------------------------------------------------------------------------
-    def run(self, hb: HostBatch) -> torch.Tensor:
-        """hidden [B, hidden] of a decode-only host batch (``can_run(hb)``)."""
+    def run(self, hb: HostBatch, lora: LoRAMapping | None = None) -> torch.Tensor:
+        """hidden [B, hidden] of a decode-only host batch with the adapters of ``lora`` (None:
+        the base model for every row), where ``can_run(hb, lora)``."""
+        assert lora is None or (self.lora is not None and lora.host_slots is not None)
         if self.generation != self.kv_cache.generation:
             logger.info("KV pool resized: capturing the decode CUDA graphs again")
             self.capture_all(warmup=False)
@@ -154,13 +178,15 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.synchronize()
         tw = hb.tables.shape[1]
-        n = g * (4 + tw)
+        n = g * (ROWS + tw)
         host = self.host.numpy()[:n]
         pad = np.zeros(g, dtype=np.int64)  # padding rows repeat row 0
-        for k, col in enumerate((hb.input_ids, hb.positions, hb.slots, hb.seq_lens)):
+        rows = (np.full(b, self.base_slot, dtype=np.int64) if lora is None or lora.host_slots is None
+                else lora.host_slots.numpy())
+        for k, col in enumerate((hb.input_ids, hb.positions, hb.slots, hb.seq_lens, rows)):
             pad[:b], pad[b:] = col, col[0]
             host[k * g : (k + 1) * g] = pad
-        tables_t = host[4 * g :].reshape(tw, g)  # transposed, first tw columns only
+        tables_t = host[ROWS * g :].reshape(tw, g)  # transposed, first tw columns only
         tables_t[:, :b] = hb.tables.T
         tables_t[:, b:] = hb.tables[0][:, None]
         self.static[:n].copy_(self.host[:n], non_blocking=self.capture)

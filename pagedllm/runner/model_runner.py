@@ -181,8 +181,9 @@ class ModelRunner:
         """Serve decode-only steps from static buffers, recorded as CUDA graphs (``capture``),
         or replayed eagerly (``capture=False``: the same padded path, testable on CPU)."""
         sc = self.config.scheduler
+        lora = self.lora if self.lora is not None and self.lora.graphable else None
         self.graphs = DecodeGraphs(self.run_forward, self.kv_cache, sc.max_num_seqs,
-                                   sc.max_model_len, self.block_size, self.device, capture)
+                                   sc.max_model_len, self.block_size, self.device, capture, lora)
         self.graphs.capture_all()
         return self.graphs
 
@@ -279,15 +280,15 @@ class ModelRunner:
         """What every rank does in a step: the KV changes, then the forward of ``batch`` (None:
         a KV-only step) with the LoRA adapters of ``loras`` (per row: adapter, new tokens; read
         from their pages after the KV changes). Hidden states [T, hidden], or [B, hidden] from a
-        decode graph (steps without adapters only: a graph holds none).
+        decode graph (which records the adapters' deltas where ``LoRAManager.graphable``).
         Tensor-parallel workers receive this call from rank 0; their all-reduces pair up."""
         self.apply_kv_update(kv)
         if batch is None:
             return None
         lora = None if self.lora is None or not loras else self.lora.prepare(
             [r for r, _ in loras], [n for _, n in loras], kv.lora_pages, self.kv_cache.read_pages)
-        if lora is None and self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)  # [B, hidden]: one row per decode request
+        if self.graphs is not None and self.graphs.can_run(batch, lora):
+            return self.graphs.run(batch, lora)  # [B, hidden]: one row per decode request
         input_ids, positions, meta = self.uploader.metadata(batch)
         meta.lora = lora
         return self.run_forward(input_ids, positions, self.kv_cache, meta)  # [T, hidden]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -52,6 +53,30 @@ def make_batch(
         seq_lens_cpu=seq_lens,
     )
     return meta, num_blocks
+
+
+META_TENSORS = ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")
+
+
+def forward_on(device: str, backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, kc: Any, vc: Any, meta: AttentionMetadata, scale: float,
+               window: int | None = None) -> torch.Tensor:
+    """``backend.forward`` with every tensor on ``device`` (the Triton backend on a GPU takes
+    CUDA tensors only): the caches' new contents are copied back into ``kc`` / ``vc`` (plain or
+    quantized), and the output comes back on the CPU."""
+    if torch.device(device).type == "cpu":
+        return backend.forward(q, k, v, kc, vc, meta, scale, window)
+    moved = dataclasses.replace(meta, **{n: getattr(meta, n).to(device) for n in META_TENSORS})
+    caches = [dataclasses.replace(c, data=c.data.to(device), scale=c.scale.to(device))
+              if dataclasses.is_dataclass(c) else c.to(device) for c in (kc, vc)]
+    out = backend.forward(q.to(device), k.to(device), v.to(device), *caches, moved, scale, window)
+    for host, dev in zip((kc, vc), caches):
+        if dataclasses.is_dataclass(host):
+            host.data.copy_(dev.data)
+            host.scale.copy_(dev.scale)
+        else:
+            host.copy_(dev)
+    return out.cpu()
 
 
 def compare_with_torch_ref(

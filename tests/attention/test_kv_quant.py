@@ -13,7 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from aot_compile import compile_kernels  # noqa: E402
-from test_backends import TOL, cpu_backend, make_batch  # noqa: E402
+from test_backends import TOL, cpu_backend, forward_on, make_batch  # noqa: E402
 
 from pagedllm.attention import get_backend  # noqa: E402
 from pagedllm.attention.quant import (  # noqa: E402
@@ -158,11 +158,15 @@ def test_backend_matches_reference_on_quantized_cache(
     kc2, vc2 = _clone(kc), _clone(vc)
     k0, v0 = _clone(kc), _clone(vc)
     ref = TorchRefBackend().forward(q, k, v, kc, vc, meta, d**-0.5)
+    device = "cpu"
     if backend.startswith("cpu"):
         be = cpu_backend("kernel" if backend == "cpu" else "sdpa")
     else:
-        be = get_backend(backend, "cuda" if torch.cuda.is_available() else "cpu")
-    out = be.forward(q, k, v, kc2, vc2, meta, d**-0.5)
+        from pagedllm.attention.triton import common
+
+        device = "cpu" if common.INTERPRET else "cuda"
+        be = get_backend(backend, device)
+    out = forward_on(device, be, q, k, v, kc2, vc2, meta, d**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     _assert_written(kc2, k0, k, meta.slot_mapping)
     _assert_written(vc2, v0, v, meta.slot_mapping)

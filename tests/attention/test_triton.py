@@ -29,6 +29,7 @@ from test_backends import (  # noqa: E402
     TOL,
     assert_slots_hold,
     compare_with_torch_ref,
+    forward_on,
     make_batch,
 )
 
@@ -107,7 +108,7 @@ def _decode_rows(backend: TritonBackend, reqs: list[tuple[int, int]], pick: list
     meta, num_blocks = make_batch(reqs, 16, gen)
     q, k, v = (torch.randn(meta.num_tokens, h, 32, generator=gen) for h in (8, 2, 2))
     kc, vc = (torch.randn(num_blocks, 16, 2, 32, generator=gen) for _ in range(2))
-    together = backend.forward(q, k, v, kc, vc, meta, 0.2, window)
+    together = forward_on(DEVICE, backend, q, k, v, kc, vc, meta, 0.2, window)
     rows, alone = [meta.query_start_loc_cpu[i] for i in pick], []
     for i, r in zip(pick, rows):
         one = dataclasses.replace(
@@ -116,8 +117,8 @@ def _decode_rows(backend: TritonBackend, reqs: list[tuple[int, int]], pick: list
             seq_lens=meta.seq_lens[i : i + 1], block_tables=meta.block_tables[i : i + 1],
             max_query_len=1, max_seq_len=meta.seq_lens_cpu[i], query_start_loc_cpu=[0, 1],
             seq_lens_cpu=meta.seq_lens_cpu[i : i + 1])
-        alone.append(backend.forward(q[r : r + 1], k[r : r + 1], v[r : r + 1], kc, vc, one,
-                                     0.2, window)[0])
+        alone.append(forward_on(DEVICE, backend, q[r : r + 1], k[r : r + 1], v[r : r + 1], kc, vc,
+                                one, 0.2, window)[0])
     return torch.stack([together[rows], torch.stack(alone)])
 
 

@@ -14,7 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first importe
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from test_backends import TOL, make_batch  # noqa: E402
+from test_backends import TOL, forward_on, make_batch  # noqa: E402
 
 from pagedllm import kernels  # noqa: E402
 from pagedllm.attention import AttentionBackend, AttentionMetadata  # noqa: E402
@@ -34,6 +34,12 @@ def backends() -> list[str]:
     except ImportError:
         return names
     return names + (["triton"] if common.INTERPRET or torch.cuda.is_available() else [])
+
+
+def _interpret() -> bool:
+    from pagedllm.attention.triton import common
+
+    return common.INTERPRET
 
 
 def make_backend(name: str) -> AttentionBackend:
@@ -105,7 +111,8 @@ def test_freed_blocks_never_leak(name: str, block_size: int, window: int, kv: st
     poison(kp, held)
     poison(vp, held)
     meta.block_tables = tables
-    out = make_backend(name).forward(q, k, v, kp, vp, meta, scale, window)
+    device = "cuda" if name == "triton" and not _interpret() else "cpu"
+    out = forward_on(device, make_backend(name), q, k, v, kp, vp, meta, scale, window)
     assert torch.isfinite(out.float()).all(), f"{name}: a freed block leaked"
     tol = TOL[dtype] if name != "triton" else max(TOL[dtype], 2e-5)
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)

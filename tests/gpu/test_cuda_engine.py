@@ -150,7 +150,8 @@ def test_int8_kv_cache_on_the_gpu(tiny_models: dict[str, Path]) -> None:
 
 
 def test_lora_adapters_on_cuda_match_hf_peft(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    """Mixed adapters on the GPU (the Triton LoRA kernels, lora/triton_ops.py) equal HF + PEFT."""
+    """Mixed adapters on the GPU (the Triton LoRA kernels, lora/triton_ops.py, recorded in the
+    decode CUDA graphs) equal HF + PEFT."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -161,10 +162,14 @@ def test_lora_adapters_on_cuda_match_hf_peft(tiny_models: dict[str, Path], tmp_p
     path = tiny_models["llama"]
     cfg = ModelConfig.from_hf(str(path), "float32")
     paths = [write_random_adapter(cfg, tmp_path / f"a{i}", 8, i, b_std=0.5) for i in range(3)]
-    llm = LLM(str(path), enable_lora=True, max_lora_rank=8, max_loras=3, dtype="float32", **SMALL)
+    llm = LLM(str(path), device="cuda", enable_lora=True, max_lora_rank=8, max_loras=3, dtype="float32",
+              **SMALL)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.lora is not None  # the decode graphs record the deltas
     loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
     got = llm.generate([{"prompt_token_ids": p} for p in ID_PROMPTS[:3]], GREEDY, use_tqdm=False,
                        lora_request=loras)
+    assert graphs.replays > 0
     for out, p, adapter in zip(got, ID_PROMPTS, paths):
         base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model = PeftModel.from_pretrained(base, adapter).cuda().eval()

@@ -96,6 +96,25 @@ def test_mixed_batch_matches_hf_peft(lora_base: Path, adapters: dict[str, Path])
     llm.engine.kv.check_integrity()
 
 
+def test_decode_graphs_record_the_adapters(lora_base: Path, adapters: dict[str, Path]) -> None:
+    """Decode steps through the static-buffer path a CUDA graph records (``capture=False``: the
+    same padded forward, eagerly, with the "gather" method on CPU; the Triton kernels on CUDA),
+    adapters and the base mixed in each step, two slots for four adapters (slots reloaded between
+    replays): HF + PEFT's tokens."""
+    loras = _requests(adapters)
+    prompts = _prompts(10, seed=3)
+    llm = LLM(str(lora_base), enable_lora=True, max_lora_rank=16, max_loras=2, num_kv_blocks=128,
+              block_size=16, dtype="float32", max_num_seqs=8)
+    graphs = llm.engine.runner.enable_decode_graphs(capture=False)
+    assert graphs.lora is not None
+    per_prompt = [loras[i % len(loras)] for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                        lora_request=per_prompt)
+    assert [list(o.outputs[0].token_ids) for o in outs] == _expected(lora_base, loras, prompts)
+    assert graphs.replays > 0 and llm.engine.runner.lora.num_slot_loads > 4
+    llm.engine.kv.check_integrity()
+
+
 def test_decoder_layer_ops_add_the_deltas_with_the_modules_bits(
         lora_base: Path, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode steps with adapters run the two decoder-layer ops, which add each linear's deltas

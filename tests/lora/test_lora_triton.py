@@ -60,8 +60,8 @@ def test_triton_delta_matches_per_token_reference(shape: tuple, dtype: torch.dty
 
 
 def test_engine_with_the_triton_method_matches_hf_peft(lora_base, adapters) -> None:  # type: ignore[no-untyped-def]
-    """The engine's step with every adapter delta on the Triton kernels (forced on CPU tensors,
-    in the interpreter): tokens equal HF + PEFT for a mixed batch."""
+    """The engine's step with every adapter delta on the Triton kernels (forced on CPU tensors in
+    the interpreter; the engine on the GPU elsewhere): tokens equal HF + PEFT for a mixed batch."""
     from test_lora_engine import GREEDY, _expected, _requests
 
     from pagedllm import LLM
@@ -69,7 +69,7 @@ def test_engine_with_the_triton_method_matches_hf_peft(lora_base, adapters) -> N
     loras = _requests(adapters)
     prompts = [[5 + (3 * i + j) % 90 for j in range(5 + i)] for i in range(len(loras))]
     llm = LLM(str(lora_base), enable_lora=True, max_lora_rank=16, max_loras=4, num_kv_blocks=64,
-              block_size=16, dtype="float32", max_model_len=64)
+              block_size=16, dtype="float32", max_model_len=64, device=DEVICE)
     llm.engine.executor.driver.lora.method = "triton"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                         lora_request=loras)
