@@ -142,8 +142,10 @@ class LoRAManager:
         slot_of = {i: self._slot(reqs[i], wanted, pages[i], read) for i in wanted}
         per_req = [self.base_slot if lr is None else slot_of[lr.lora_int_id] for lr in loras]
         token_slots = torch.repeat_interleave(torch.tensor(per_req), torch.tensor(list(q_lens)))
+        dense = len(token_slots) <= DENSE_MAX_TOKENS or (
+            self._gemm and 2 * len(slot_of) >= self.base_slot)
         method = self.method or ("triton" if self.device.type == "cuda" else
-                                 "dense" if len(token_slots) <= DENSE_MAX_TOKENS else "loop")
+                                 "dense" if dense else "loop")
         groups = [(s, (token_slots == s).nonzero().flatten().to(self.device), self.slot_targets[s])
                   for s in slot_of.values()] if method == "loop" else []  # only "loop" reads them
         targeted = frozenset().union(*(self.slot_targets[s] for s in slot_of.values()))

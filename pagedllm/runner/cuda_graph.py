@@ -181,8 +181,8 @@ class DecodeGraphs:
         n = g * (ROWS + tw)
         host = self.host.numpy()[:n]
         pad = np.zeros(g, dtype=np.int64)  # padding rows repeat row 0
-        rows = (np.full(b, self.base_slot, dtype=np.int64) if lora is None or lora.host_slots is None
-                else lora.host_slots.numpy())
+        rows = (np.full(b, self.base_slot, dtype=np.int64)
+                if lora is None or lora.host_slots is None else lora.host_slots.numpy())
         for k, col in enumerate((hb.input_ids, hb.positions, hb.slots, hb.seq_lens, rows)):
             pad[:b], pad[b:] = col, col[0]
             host[k * g : (k + 1) * g] = pad
