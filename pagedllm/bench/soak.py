@@ -377,7 +377,7 @@ def add_cli_args(p: Any) -> None:
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at all times")
     p.add_argument("--disconnect-fraction", type=float, default=0.10)
     p.add_argument("--invalid-fraction", type=float, default=0.05)
-    p.add_argument("--hostile-rounds", type=int, default=5,
+    p.add_argument("--hostile-rounds", type=int, default=8,
                    help="rounds of hostile input after the traffic, RSS sampled idle after each "
                    "(0: none)")
     p.add_argument("--serve-args", default="", help="more `pagedllm serve` flags, one string")

@@ -54,23 +54,30 @@ def test_hostile_rounds_are_judged_by_level_and_creep() -> None:
     assert wobble["rss_creep_mib_per_round"] == -8  # rises' median 12, slopes' -1; floor 931 -> 915
     alternate = summarize_rounds(rounds(895.75, 897.05, 942.03, 900.08, 941.33), 885)  # CI again
     assert alternate["rss_creep_mib_per_round"] == (900.08 - 897.05) / 2  # the floor: 1.5
+    # measured alone, ten rounds: two levels ~45 MiB apart, a drift of ~1 MiB per round
+    levels = summarize_rounds(rounds(925, 927, 883, 926, 928, 931, 931, 933, 933, 888), 879)
+    assert levels["rss_creep_mib_per_round"] == 1  # the floor: 883 -> 888 over five rounds
     assert summarize_rounds([{"rss_idle_mib": 1, "statuses": {"500": 2, "503": 1}}], 1)["server_errors"] == 3
 
 
-@pytest.mark.slow  # a server subprocess and five rounds of hostile input (~110 s on 2 busy cores)
+@pytest.mark.slow  # a server subprocess and eight rounds of hostile input (~150 s on 2 busy cores)
 def test_hostile_rounds_leave_the_servers_idle_rss_flat(tmp_path: Path) -> None:
     """Issue 35: one round of 1 MB prompts and 960 dropped sequences took a server from 510 to
     1091 MiB at idle, and each further round added more (1300, 1364). The engine now gives its
     freed memory back once idle: every round ends within 15 % of the RSS before the rounds, with
-    no creep after the first."""
+    no creep after the first. Eight rounds: the front end's idle RSS sits at one of two levels
+    ~45 MiB apart from round to round (measured alone: 882, 928, 887, 923, 924), which five
+    rounds cannot tell from a leak when the high level comes late; over more rounds the creep's
+    estimates see both levels."""
+    rounds = 8
     main(["bench", "soak", "--num-requests", "20", "--concurrency", "4", "--num-kv-blocks", "1024",
-          "--hostile-rounds", "5", "--output-dir", str(tmp_path)])
+          "--hostile-rounds", str(rounds), "--output-dir", str(tmp_path)])
     r = json.loads((tmp_path / "soak.json").read_text())
     h = r["hostile"]
-    assert len(h["rss_idle_mib"]) == 5 and h["server_errors"] == 0, h
+    assert len(h["rss_idle_mib"]) == rounds and h["server_errors"] == 0, h
     statuses = Counter()
     for rnd in h["rounds"]:
         statuses.update(rnd["statuses"])
         assert rnd["rss_peak_mib"] > h["rss_before_mib"] + 200, rnd  # the rounds really bit
-    assert statuses["400"] >= 5 * 14 and statuses["hung up"] >= 5 * 20, statuses
+    assert statuses["400"] >= rounds * 14 and statuses["hung up"] >= rounds * 20, statuses
     assert r["targets"]["hostile_rss_flat"] and r["targets"]["leaked_blocks"], h
