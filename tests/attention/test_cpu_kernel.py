@@ -100,6 +100,26 @@ def test_fp8_rows_widen_exactly_for_every_code(kernel: CpuBackend, fp8: torch.dt
     assert torch.equal(out.view(256), codes)
 
 
+@pytest.mark.parametrize("kd,vd", [(I8, I8), (E4, E5), (E5, I8)])
+def test_quantized_rows_give_the_bits_of_their_values_in_fp32(kernel: CpuBackend,
+                                                              kd: torch.dtype,
+                                                              vd: torch.dtype) -> None:
+    """Over int8 / fp8 rows (int8 ones on AVX2 read as stored and widened in the loops, the
+    others converted first) the kernel gives bit for bit its output over the same values dequantized
+    into an fp32 cache: value x bf16 scale is exact in fp32, and either way the loops see it."""
+    gen = torch.Generator().manual_seed(4)
+    meta, nb = make_batch([*DECODES, (9, 4)], 16, gen)
+    t, hq, hkv, d = meta.num_tokens, 8, 2, 64
+    q, k, v = (torch.randn(t, h, d, generator=gen) for h in (hq, hkv, hkv))
+    kc, vc = (QuantizedKV(*quantize(torch.randn(nb, 16, hkv, d, generator=gen), dt))
+              for dt in (kd, vd))
+    out = kernel.forward(q, k, v, kc, vc, meta, d**-0.5)
+    deq = [c.data.float() * c.scale.float().unsqueeze(-1) for c in (kc, vc)]  # after the write
+    k2, v2 = (x.view(-1, hkv, d)[meta.slot_mapping] for x in deq)  # the new rows as stored
+    again = kernel.forward(q, k2, v2, deq[0].clone(), deq[1].clone(), meta, d**-0.5)
+    assert torch.equal(out, again)
+
+
 def test_online_softmax_across_tiles(kernel: CpuBackend) -> None:
     """Peaked scores whose maximum moves from tile to tile (|q| ~ 30): the running max and the
     rescaling of the accumulator must keep every tile's share exact."""

@@ -33,6 +33,12 @@ using ScoresFn = void (*)(const void* q, float post, int64_t g, int64_t d,
                           const void* const* rows, int64_t n, float* s);
 using ValuesFn = void (*)(float* acc, int64_t g, int64_t d, const float* p,
                           const void* const* rows, int64_t n);
+// The same loops over int8 rows as stored, each times its scale sc[i] in registers (AVX2
+// builds; qscores_fn / qvalues_fn give null elsewhere).
+using QScoresFn = void (*)(const float* q, int64_t g, const void* const* rows, const float* sc,
+                           int64_t n, float* s);
+using QValuesFn = void (*)(float* acc, int64_t g, const float* p, const void* const* rows,
+                           const float* sc, int64_t n);
 
 template <typename T>
 inline float dot_t(const float* __restrict a, const T* __restrict b, int64_t n) {
@@ -186,12 +192,26 @@ inline __m256 reduce8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
 }
 
+// 8 values of a row in fp32; int8 ones times the row's scale `sc`: the values to_float writes
+// (an 8-bit value times a bf16 scale is exact in fp32), so the loops give the same bits as over
+// converted rows, without writing and reading them again. (fp8 rows widened here, by
+// fp8_bits_to_float's arithmetic, measured slower than converting them first: the loops widen
+// each row once per query row of the group, ~10 instructions per 8 values for fp8.)
+template <typename T>
+inline __m256 row8(const T* p, __m256 sc) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), sc);
+  } else {
+    return load8<T>(p);
+  }
+}
+
 // 8 dot products at once (8 K rows against q[j]), q read from L1 (NV vectors would not all
-// fit beside the 8 accumulators).
+// fit beside the 8 accumulators). sc: the rows' scales (int8 rows only).
 template <int NV, typename T>
-void scores_avx2(const void* qp, float, int64_t g, int64_t, const void* const* rows, int64_t n,
-                 float* s) {
-  const float* q = static_cast<const float*>(qp);
+void scores_avx2_rows(const float* q, int64_t g, const void* const* rows, const float* sc,
+                      int64_t n, float* s) {
   for (int64_t j = 0; j < g; ++j) {
     const float* qj = q + j * NV * 8;
     for (int64_t i = 0; i < n; i += 8) {
@@ -199,21 +219,28 @@ void scores_avx2(const void* qp, float, int64_t g, int64_t, const void* const* r
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {
         const T* k = static_cast<const T*>(rows[i + t]);
-        a[t] = _mm256_mul_ps(_mm256_loadu_ps(qj), load8<T>(k));
+        const __m256 st = sc ? _mm256_set1_ps(sc[i + t]) : _mm256_setzero_ps();
+        a[t] = _mm256_mul_ps(_mm256_loadu_ps(qj), row8<T>(k, st));
 #pragma GCC unroll 16
         for (int c = 1; c < NV; ++c)
-          a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c * 8), load8<T>(k + c * 8), a[t]);
+          a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c * 8), row8<T>(k + c * 8, st), a[t]);
       }
       _mm256_storeu_ps(s + j * TILE + i, reduce8(a));
     }
   }
 }
 
+template <int NV, typename T>
+void scores_avx2(const void* qp, float, int64_t g, int64_t, const void* const* rows, int64_t n,
+                 float* s) {
+  scores_avx2_rows<NV, T>(static_cast<const float*>(qp), g, rows, nullptr, n, s);
+}
+
 // acc[j] += sum_i p[j][i] v_i over column chunks of CW vectors, two accumulator sets (even and
 // odd positions) of CW registers each.
 template <int NV, typename T>
-void values_avx2(float* acc, int64_t g, int64_t, const float* p, const void* const* rows,
-                 int64_t n) {
+void values_avx2_rows(float* acc, int64_t g, const float* p, const void* const* rows,
+                      const float* sc, int64_t n) {
   constexpr int CW = NV % 6 == 0 ? 6 : NV % 5 == 0 ? 5 : NV % 4 == 0 ? 4 : NV % 7 == 0 ? 7 : NV;
   for (int64_t j = 0; j < g; ++j) {
     const float* pj = p + j * TILE;
@@ -229,16 +256,24 @@ void values_avx2(float* acc, int64_t g, int64_t, const float* p, const void* con
         const T* r0 = static_cast<const T*>(rows[i]) + c0 * 8;
         const T* r1 = static_cast<const T*>(rows[i + 1]) + c0 * 8;
         const __m256 p0 = _mm256_set1_ps(pj[i]), p1 = _mm256_set1_ps(pj[i + 1]);
+        const __m256 s0 = sc ? _mm256_set1_ps(sc[i]) : _mm256_setzero_ps();
+        const __m256 s1 = sc ? _mm256_set1_ps(sc[i + 1]) : _mm256_setzero_ps();
 #pragma GCC unroll 8
         for (int c = 0; c < CW; ++c) {
-          a0[c] = _mm256_fmadd_ps(p0, load8<T>(r0 + c * 8), a0[c]);
-          a1[c] = _mm256_fmadd_ps(p1, load8<T>(r1 + c * 8), a1[c]);
+          a0[c] = _mm256_fmadd_ps(p0, row8<T>(r0 + c * 8, s0), a0[c]);
+          a1[c] = _mm256_fmadd_ps(p1, row8<T>(r1 + c * 8, s1), a1[c]);
         }
       }
 #pragma GCC unroll 8
       for (int c = 0; c < CW; ++c) _mm256_storeu_ps(y + c * 8, _mm256_add_ps(a0[c], a1[c]));
     }
   }
+}
+
+template <int NV, typename T>
+void values_avx2(float* acc, int64_t g, int64_t, const float* p, const void* const* rows,
+                 int64_t n) {
+  values_avx2_rows<NV, T>(acc, g, p, rows, nullptr, n);
 }
 #endif
 
@@ -289,6 +324,34 @@ ValuesFn values_for(int64_t d) {
 #undef PAGEDLLM_BY_NV
 #undef PAGEDLLM_SCORES
 #undef PAGEDLLM_VALUES
+
+// The loops over int8 rows as stored for head_dim d, where they exist (AVX2 builds: 1.17-1.33x
+// and 0.69-1.09x of contiguous SDPA at context 512 and 2048, from 2.01 and 1.59 converting rows
+// first; AVX-512 builds convert first, at 0.80-0.93x); else null (fp8 rows: converted first).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define PAGEDLLM_Q(fn)                                                                       \
+  if (rows == Kind::I8) {                                                                    \
+    switch (d) {                                                                             \
+      case 32: return fn<4, int8_t>;  case 64: return fn<8, int8_t>;                         \
+      case 96: return fn<12, int8_t>; case 128: return fn<16, int8_t>; default: break;       \
+    }                                                                                        \
+  }
+#else
+#define PAGEDLLM_Q(fn)
+#endif
+
+inline QScoresFn qscores_fn(Kind rows, int64_t d) {
+  PAGEDLLM_Q(scores_avx2_rows)
+  (void)rows, (void)d;
+  return nullptr;
+}
+
+inline QValuesFn qvalues_fn(Kind rows, int64_t d) {
+  PAGEDLLM_Q(values_avx2_rows)
+  (void)rows, (void)d;
+  return nullptr;
+}
+#undef PAGEDLLM_Q
 
 // The scores loop for K rows of kind `rows` (F32, F16 or BF16) and head_dim d; q_bf16: q
 // goes in as bf16 (only where dpbf16_scores says so).

@@ -87,13 +87,13 @@ CacheView view_of(const at::Tensor& cache, const std::optional<at::Tensor>& scal
 Kind row_kind(Kind k) { return k == Kind::F16 || k == Kind::BF16 ? k : Kind::F32; }
 
 struct Scratch {
-  std::vector<float> q, acc, m, l, p, kbuf, vbuf, zero;
+  std::vector<float> q, acc, m, l, p, kbuf, vbuf, zero, ksc, vsc;  // ksc / vsc: rows' scales
   std::vector<c10::BFloat16> qb;  // q unscaled, for the bf16 scores loop
   std::vector<const void*> krows, vrows;
   std::vector<int64_t> blk, off;  // the tile's positions: block id, offset in the block
   Scratch(int64_t heads, int64_t d)
       : q(heads * d), acc(heads * d), m(heads), l(heads), p(heads * TILE), kbuf(TILE * d),
-        vbuf(TILE * d), zero(d), qb(heads * d), krows(TILE), vrows(TILE), blk(TILE), off(TILE) {}
+        vbuf(TILE * d), zero(d), ksc(TILE), vsc(TILE), qb(heads * d), krows(TILE), vrows(TILE), blk(TILE), off(TILE) {}
 };
 
 // Row pointers of head h at the tile's n positions (then zero rows up to n16): into the cache
@@ -112,6 +112,18 @@ void tile_rows(const CacheView& c, const Scratch& s, int64_t n, int64_t n16, int
     }
   }
   for (int64_t i = n; i < n16; ++i) rows[i] = s.zero.data();
+}
+
+// tile_rows for the int8 loops (QScoresFn / QValuesFn): the rows as stored and their scales
+// (zero rows scaled by 0 past n).
+void tile_rows_q(const CacheView& c, const Scratch& s, int64_t n, int64_t n16, int64_t h,
+                 const void** rows, float* sc) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t blk = s.blk[i], off = s.off[i];
+    rows[i] = c.data + (blk * c.s_block + off * c.s_off + h * c.s_head) * c.elem;
+    sc[i] = bf16_to_float(c.scale[blk * c.c_block + off * c.c_off + h * c.c_head]);
+  }
+  for (int64_t i = n; i < n16; ++i) rows[i] = s.zero.data(), sc[i] = 0.0f;
 }
 
 // Ask for the K or V rows of heads [h0, h1) at positions [p0, p1) of a request (its block
@@ -140,6 +152,8 @@ struct Problem {
   bool q_bf16;  // scores take q as bf16, unscaled (dpbf16_scores)
   ScoresFn scores;
   ValuesFn values;
+  QScoresFn qscores;  // int8 K / V rows read as stored (null: converted by tile_rows)
+  QValuesFn qvalues;
 };
 
 // One work item: query tokens [t0, t1) of request r (token t at position base + t, query row
@@ -190,10 +204,15 @@ void attend(const Problem& pb, Scratch& s, const Item& it) {
     for (int64_t h = it.h0; h < it.h1; ++h) {
       const int64_t j0 = (h - it.h0) * rows;
       float *pj0 = s.p.data() + j0 * TILE, *acc = s.acc.data() + j0 * d;
-      tile_rows(pb.k, s, n, n16, h, d, s.kbuf.data(), s.krows.data());
       const void* qj = pb.q_bf16 ? static_cast<const void*>(s.qb.data() + j0 * d)
                                  : static_cast<const void*>(s.q.data() + j0 * d);
-      pb.scores(qj, pb.scale, rows, d, s.krows.data(), n16, pj0);
+      if (pb.qscores) {
+        tile_rows_q(pb.k, s, n, n16, h, s.krows.data(), s.ksc.data());
+        pb.qscores(s.q.data() + j0 * d, rows, s.krows.data(), s.ksc.data(), n16, pj0);
+      } else {
+        tile_rows(pb.k, s, n, n16, h, d, s.kbuf.data(), s.krows.data());
+        pb.scores(qj, pb.scale, rows, d, s.krows.data(), n16, pj0);
+      }
       for (int64_t j = j0; j < j0 + rows; ++j) {  // online softmax over the tile's positions
         float* pj = s.p.data() + j * TILE;    // [a, b) this token may attend (causal, window)
         const int64_t pos = it.base + it.t0 + (j - j0) / gn;
@@ -218,8 +237,13 @@ void attend(const Problem& pb, Scratch& s, const Item& it) {
         s.m[j] = mx;
         if (alpha != 1.0f) scale_row(s.acc.data() + j * d, alpha, d);
       }
-      tile_rows(pb.v, s, n, n16, h, d, s.vbuf.data(), s.vrows.data());
-      pb.values(acc, rows, d, pj0, s.vrows.data(), n16);
+      if (pb.qvalues) {
+        tile_rows_q(pb.v, s, n, n16, h, s.vrows.data(), s.vsc.data());
+        pb.qvalues(acc, rows, pj0, s.vrows.data(), s.vsc.data(), n16);
+      } else {
+        tile_rows(pb.v, s, n, n16, h, d, s.vbuf.data(), s.vrows.data());
+        pb.values(acc, rows, d, pj0, s.vrows.data(), n16);
+      }
     }
   }
   for (int64_t j = 0; j < nq; ++j) {
@@ -268,7 +292,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   Problem pb{q, out, kv, vv, block_tables.data_ptr<int32_t>(), block_tables.stride(0), block_size,
              hq / hkv, d, static_cast<float>(scale), sliding_window, fixed_tiles, q_kind, q_kind,
              q_bf16,
-             scores_fn(row_kind(kv.kind), d, q_bf16), values_fn(row_kind(vv.kind), d)};
+             scores_fn(row_kind(kv.kind), d, q_bf16), values_fn(row_kind(vv.kind), d),
+             qscores_fn(kv.kind, d), qvalues_fn(vv.kind, d)};
 
   // Work items: (request, QCHUNK of its query tokens), all kv heads in one item (its K/V rows
   // read in address order) unless there are fewer such items than threads.
