@@ -82,21 +82,27 @@ def test_quantized_cache(kernel: CpuBackend, kd: torch.dtype | None, vd: torch.d
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("heads", [1, 2])
 @pytest.mark.parametrize("fp8", [E4, E5])
-def test_fp8_rows_widen_exactly_for_every_code(kernel: CpuBackend, fp8: torch.dtype) -> None:
-    """Every finite fp8 code (normal, subnormal, both zeros) through the kernel's widening
-    (common.h fp8_bits_to_float): a request's only position attends with weight exactly 1, so
-    the output is its V row as the kernel widened it, equal to torch's own conversion."""
+def test_fp8_rows_widen_exactly_for_every_code(kernel: CpuBackend, fp8: torch.dtype,
+                                               heads: int) -> None:
+    """Every finite fp8 code (normal, subnormal, both zeros) through the kernel's widening: a
+    request's only position attends with weight exactly 1, so the output is its V row as the
+    kernel widened it, equal to torch's own conversion. One head of 256 codes (rows converted
+    first: common.h fp8_bits_to_float or its table), or two of 128 (on AVX2 widened in the
+    loops: attention_tile.h row8); each half holds the format's largest magnitude, so each
+    row's scale is 1."""
     gen = torch.Generator().manual_seed(5)
     meta, nb = make_batch([(0, 1)], 16, gen)
     codes = torch.arange(256, dtype=torch.uint8).view(fp8).float()
     codes[~torch.isfinite(codes)] = 0.0  # NaN / inf codes: never in a quantized cache
     assert codes.abs().max() == QMAX[fp8]  # the row's scale is then exactly 1
-    v_new = codes.view(1, 1, 256)
-    q, k = torch.randn(2, 1, 1, 256, generator=gen)
-    vc = QuantizedKV(torch.zeros(nb, 16, 1, 256, dtype=fp8),
-                     torch.ones(nb, 16, 1, dtype=torch.bfloat16))
-    out = kernel.forward(q, k, v_new, torch.zeros(nb, 16, 1, 256), vc, meta, 256**-0.5)
+    d = 256 // heads
+    v_new = codes.view(1, heads, d)
+    q, k = torch.randn(2, 1, heads, d, generator=gen)
+    vc = QuantizedKV(torch.zeros(nb, 16, heads, d, dtype=fp8),
+                     torch.ones(nb, 16, heads, dtype=torch.bfloat16))
+    out = kernel.forward(q, k, v_new, torch.zeros(nb, 16, heads, d), vc, meta, d**-0.5)
     assert torch.equal(out.view(256), codes)
 
 
@@ -104,8 +110,8 @@ def test_fp8_rows_widen_exactly_for_every_code(kernel: CpuBackend, fp8: torch.dt
 def test_quantized_rows_give_the_bits_of_their_values_in_fp32(kernel: CpuBackend,
                                                               kd: torch.dtype,
                                                               vd: torch.dtype) -> None:
-    """Over int8 / fp8 rows (int8 ones on AVX2 read as stored and widened in the loops, the
-    others converted first) the kernel gives bit for bit its output over the same values dequantized
+    """Over int8 / fp8 rows (on AVX2 read as stored and widened in the loops, elsewhere
+    converted first) the kernel gives bit for bit its output over the same values dequantized
     into an fp32 cache: value x bf16 scale is exact in fp32, and either way the loops see it."""
     gen = torch.Generator().manual_seed(4)
     meta, nb = make_batch([*DECODES, (9, 4)], 16, gen)

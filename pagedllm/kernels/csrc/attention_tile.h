@@ -33,7 +33,7 @@ using ScoresFn = void (*)(const void* q, float post, int64_t g, int64_t d,
                           const void* const* rows, int64_t n, float* s);
 using ValuesFn = void (*)(float* acc, int64_t g, int64_t d, const float* p,
                           const void* const* rows, int64_t n);
-// The same loops over int8 rows as stored, each times its scale sc[i] in registers (AVX2
+// The same loops over int8 / fp8 rows as stored, each times its scale sc[i] in registers (AVX2
 // builds; qscores_fn / qvalues_fn give null elsewhere).
 using QScoresFn = void (*)(const float* q, int64_t g, const void* const* rows, const float* sc,
                            int64_t n, float* s);
@@ -192,16 +192,28 @@ inline __m256 reduce8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
 }
 
-// 8 values of a row in fp32; int8 ones times the row's scale `sc`: the values to_float writes
-// (an 8-bit value times a bf16 scale is exact in fp32), so the loops give the same bits as over
-// converted rows, without writing and reading them again. (fp8 rows widened here, by
-// fp8_bits_to_float's arithmetic, measured slower than converting them first: the loops widen
-// each row once per query row of the group, ~10 instructions per 8 values for fp8.)
+// 8 values of a row in fp32; int8 / fp8 ones times the row's scale `sc`: the values to_float
+// writes (an 8-bit value times a bf16 scale is exact in fp32), so the loops give the same bits
+// as over converted rows, without writing and reading them again. fp8 codes become fp16 bits
+// (F16C widens those): e5m2 is fp16's top byte; e4m3's exponent and mantissa shifted under
+// fp16's field, which reads them 2^(15 - 7) too small (subnormals too), so e4m3 rows' scales
+// come times 256 (tile_rows_q). (fp8 by fp8_bits_to_float's arithmetic here, ~10 instructions
+// per 8 values, measured slower than converting rows first: the loops widen each row once per
+// query row of the GQA group.)
 template <typename T>
 inline __m256 row8(const T* p, __m256 sc) {
   if constexpr (std::is_same_v<T, int8_t>) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), sc);
+  } else if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_slli_epi16(b, 8)), sc);
+  } else if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
+    // sign-extended and shifted: the sign lands in bit 15, the code's bit 7 also in bit 14
+    const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i h =
+        _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(static_cast<short>(0xBF80)));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), sc);
   } else {
     return load8<T>(p);
   }
@@ -330,11 +342,16 @@ ValuesFn values_for(int64_t d) {
 // first; AVX-512 builds convert first, at 0.80-0.93x); else null (fp8 rows: converted first).
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define PAGEDLLM_Q(fn)                                                                       \
-  if (rows == Kind::I8) {                                                                    \
-    switch (d) {                                                                             \
-      case 32: return fn<4, int8_t>;  case 64: return fn<8, int8_t>;                         \
-      case 96: return fn<12, int8_t>; case 128: return fn<16, int8_t>; default: break;       \
-    }                                                                                        \
+  switch (rows) {                                                                            \
+    case Kind::I8: PAGEDLLM_Q_NV(fn, int8_t)                                                 \
+    case Kind::E4M3: PAGEDLLM_Q_NV(fn, c10::Float8_e4m3fn)                                   \
+    case Kind::E5M2: PAGEDLLM_Q_NV(fn, c10::Float8_e5m2)                                     \
+    default: break;                                                                          \
+  }
+#define PAGEDLLM_Q_NV(fn, T)                                                                 \
+  switch (d) {                                                                               \
+    case 32: return fn<4, T>;  case 64: return fn<8, T>;  case 96: return fn<12, T>;         \
+    case 128: return fn<16, T>; default: return nullptr;                                     \
   }
 #else
 #define PAGEDLLM_Q(fn)
@@ -352,6 +369,7 @@ inline QValuesFn qvalues_fn(Kind rows, int64_t d) {
   return nullptr;
 }
 #undef PAGEDLLM_Q
+#undef PAGEDLLM_Q_NV
 
 // The scores loop for K rows of kind `rows` (F32, F16 or BF16) and head_dim d; q_bf16: q
 // goes in as bf16 (only where dpbf16_scores says so).

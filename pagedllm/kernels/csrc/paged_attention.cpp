@@ -93,7 +93,8 @@ struct Scratch {
   std::vector<int64_t> blk, off;  // the tile's positions: block id, offset in the block
   Scratch(int64_t heads, int64_t d)
       : q(heads * d), acc(heads * d), m(heads), l(heads), p(heads * TILE), kbuf(TILE * d),
-        vbuf(TILE * d), zero(d), ksc(TILE), vsc(TILE), qb(heads * d), krows(TILE), vrows(TILE), blk(TILE), off(TILE) {}
+        vbuf(TILE * d), zero(d), ksc(TILE), vsc(TILE), qb(heads * d), krows(TILE), vrows(TILE),
+        blk(TILE), off(TILE) {}
 };
 
 // Row pointers of head h at the tile's n positions (then zero rows up to n16): into the cache
@@ -114,14 +115,15 @@ void tile_rows(const CacheView& c, const Scratch& s, int64_t n, int64_t n16, int
   for (int64_t i = n; i < n16; ++i) rows[i] = s.zero.data();
 }
 
-// tile_rows for the int8 loops (QScoresFn / QValuesFn): the rows as stored and their scales
-// (zero rows scaled by 0 past n).
+// tile_rows for the int8 / fp8 loops (QScoresFn / QValuesFn): the rows as stored and their
+// scales (zero rows scaled by 0 past n); e4m3 scales times 256, exactly (attention_tile.h row8).
 void tile_rows_q(const CacheView& c, const Scratch& s, int64_t n, int64_t n16, int64_t h,
                  const void** rows, float* sc) {
+  const float unit = c.kind == Kind::E4M3 ? 256.0f : 1.0f;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t blk = s.blk[i], off = s.off[i];
     rows[i] = c.data + (blk * c.s_block + off * c.s_off + h * c.s_head) * c.elem;
-    sc[i] = bf16_to_float(c.scale[blk * c.c_block + off * c.c_off + h * c.c_head]);
+    sc[i] = bf16_to_float(c.scale[blk * c.c_block + off * c.c_off + h * c.c_head]) * unit;
   }
   for (int64_t i = n; i < n16; ++i) rows[i] = s.zero.data(), sc[i] = 0.0f;
 }
@@ -152,7 +154,7 @@ struct Problem {
   bool q_bf16;  // scores take q as bf16, unscaled (dpbf16_scores)
   ScoresFn scores;
   ValuesFn values;
-  QScoresFn qscores;  // int8 K / V rows read as stored (null: converted by tile_rows)
+  QScoresFn qscores;  // int8 / fp8 K / V rows read as stored (null: converted by tile_rows)
   QValuesFn qvalues;
 };
 
