@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pagedllm import kernels
 from pagedllm.attention import AttentionBackend, AttentionMetadata, get_backend
 from pagedllm.attention.cpu import CpuBackend
+from pagedllm.attention.quant import QuantizedKV
 from pagedllm.attention.torch_ref import TorchRefBackend
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -67,11 +68,11 @@ def forward_on(device: str, backend: AttentionBackend, q: torch.Tensor, k: torch
     if torch.device(device).type == "cpu":
         return backend.forward(q, k, v, kc, vc, meta, scale, window)
     moved = dataclasses.replace(meta, **{n: getattr(meta, n).to(device) for n in META_TENSORS})
-    caches = [dataclasses.replace(c, data=c.data.to(device), scale=c.scale.to(device))
-              if dataclasses.is_dataclass(c) else c.to(device) for c in (kc, vc)]
+    caches = [QuantizedKV(c.data.to(device), c.scale.to(device)) if isinstance(c, QuantizedKV)
+              else c.to(device) for c in (kc, vc)]
     out = backend.forward(q.to(device), k.to(device), v.to(device), *caches, moved, scale, window)
     for host, dev in zip((kc, vc), caches):
-        if dataclasses.is_dataclass(host):
+        if isinstance(host, QuantizedKV):
             host.data.copy_(dev.data)
             host.scale.copy_(dev.scale)
         else:
@@ -104,22 +105,18 @@ def compare_with_torch_ref(
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     kc = torch.randn(shape, generator=gen).to(dtype)
     vc = torch.randn(shape, generator=gen).to(dtype)
-    kc2, vc2 = kc.to(device, copy=True), vc.to(device, copy=True)
+    kc2, vc2 = kc.clone(), vc.clone()  # the backend's (written back from ``device``)
     before = (kc.clone(), vc.clone())
-    host_meta = dataclasses.replace(meta)  # keeps the CPU tensors
     scale = head_dim**-0.5
     ref = TorchRefBackend().forward(q, k, v, kc, vc, meta, scale, sliding_window)
-    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
-        setattr(meta, name, getattr(meta, name).to(device))
-    out = backend.forward(q.to(device), k.to(device), v.to(device), kc2, vc2, meta, scale,
-                          sliding_window).cpu()
+    out = forward_on(device, backend, q, k, v, kc2, vc2, meta, scale, sliding_window)
     assert out.dtype == dtype and out.shape == q.shape
     atol = (tol or TOL)[dtype]
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=atol)
     # the backend's write, checked on its own (torch_ref and cpu share write_kv) ...
-    assert_slots_hold(kc2.cpu(), vc2.cpu(), k, v, host_meta, before)
+    assert_slots_hold(kc2, vc2, k, v, meta, before)
     # ... and the same caches as torch_ref's
-    assert torch.equal(kc, kc2.cpu()) and torch.equal(vc, vc2.cpu())
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
 # The CPU backend's two decode paths: the C++ kernel, and SDPA over gathered blocks (what runs

@@ -201,6 +201,10 @@ inline __m256 reduce8(const __m256* a) {
 // per 8 values, measured slower than converting rows first: the loops widen each row once per
 // query row of the GQA group.)
 template <typename T>
+constexpr bool SCALED_ROWS = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn> ||
+                             std::is_same_v<T, c10::Float8_e5m2>;  // rows that come with scales
+
+template <typename T>
 inline __m256 row8(const T* p, __m256 sc) {
   if constexpr (std::is_same_v<T, int8_t>) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
@@ -220,7 +224,7 @@ inline __m256 row8(const T* p, __m256 sc) {
 }
 
 // 8 dot products at once (8 K rows against q[j]), q read from L1 (NV vectors would not all
-// fit beside the 8 accumulators). sc: the rows' scales (int8 rows only).
+// fit beside the 8 accumulators). sc: the rows' scales (int8 / fp8 rows; unread for others).
 template <int NV, typename T>
 void scores_avx2_rows(const float* q, int64_t g, const void* const* rows, const float* sc,
                       int64_t n, float* s) {
@@ -231,7 +235,7 @@ void scores_avx2_rows(const float* q, int64_t g, const void* const* rows, const 
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {
         const T* k = static_cast<const T*>(rows[i + t]);
-        const __m256 st = sc ? _mm256_set1_ps(sc[i + t]) : _mm256_setzero_ps();
+        const __m256 st = SCALED_ROWS<T> ? _mm256_set1_ps(sc[i + t]) : _mm256_setzero_ps();
         a[t] = _mm256_mul_ps(_mm256_loadu_ps(qj), row8<T>(k, st));
 #pragma GCC unroll 16
         for (int c = 1; c < NV; ++c)
@@ -268,8 +272,8 @@ void values_avx2_rows(float* acc, int64_t g, const float* p, const void* const* 
         const T* r0 = static_cast<const T*>(rows[i]) + c0 * 8;
         const T* r1 = static_cast<const T*>(rows[i + 1]) + c0 * 8;
         const __m256 p0 = _mm256_set1_ps(pj[i]), p1 = _mm256_set1_ps(pj[i + 1]);
-        const __m256 s0 = sc ? _mm256_set1_ps(sc[i]) : _mm256_setzero_ps();
-        const __m256 s1 = sc ? _mm256_set1_ps(sc[i + 1]) : _mm256_setzero_ps();
+        const __m256 s0 = SCALED_ROWS<T> ? _mm256_set1_ps(sc[i]) : _mm256_setzero_ps();
+        const __m256 s1 = SCALED_ROWS<T> ? _mm256_set1_ps(sc[i + 1]) : _mm256_setzero_ps();
 #pragma GCC unroll 8
         for (int c = 0; c < CW; ++c) {
           a0[c] = _mm256_fmadd_ps(p0, row8<T>(r0 + c * 8, s0), a0[c]);
