@@ -115,6 +115,33 @@ def test_decode_graphs_record_the_adapters(lora_base: Path, adapters: dict[str, 
     llm.engine.kv.check_integrity()
 
 
+def test_large_steps_take_dense_where_the_adapters_fill_the_slots(
+        lora_base: Path, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step over DENSE_MAX_TOKENS tokens takes "dense" (on the packed GEMM) where its adapters
+    fill at least half of the slots, else "loop"; both give HF + PEFT's tokens."""
+    from pagedllm import kernels
+    from pagedllm.lora.manager import LoRAManager
+    from pagedllm.lora.ops import DENSE_MAX_TOKENS
+
+    seen: list[str] = []
+    prepare = LoRAManager.prepare
+
+    def spy(self: LoRAManager, *args: object, **kw: object) -> object:
+        mapping = prepare(self, *args, **kw)  # type: ignore[arg-type]
+        if mapping is not None and len(mapping.token_slots) > DENSE_MAX_TOKENS:
+            seen.append(mapping.method)
+        return mapping
+
+    monkeypatch.setattr(LoRAManager, "prepare", spy)
+    loras = _requests(adapters)[:2]  # two adapters, one prefill step of 141 tokens
+    prompts = [[5 + (7 * i + j) % 90 for i in range(70 + j)] for j in range(2)]
+    run_mixed(lora_base, loras, prompts, max_loras=2)  # two of two slots
+    assert seen == ["dense" if kernels.available() else "loop"]
+    seen.clear()
+    run_mixed(lora_base, loras, prompts, max_loras=8)  # two of eight
+    assert seen == ["loop"]
+
+
 def test_decoder_layer_ops_add_the_deltas_with_the_modules_bits(
         lora_base: Path, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode steps with adapters run the two decoder-layer ops, which add each linear's deltas
