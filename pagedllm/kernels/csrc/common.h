@@ -189,6 +189,29 @@ inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+// The largest of init and x[0, n), in vector registers: max is exact in any order, so this is
+// the scalar loop's value (a scalar loop is one 4-cycle dependency chain per element).
+inline float max_from(const float* x, int64_t n, float init) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 v = _mm512_set1_ps(init);
+  for (; i + 16 <= n; i += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(x + i));
+  if (i < n)
+    v = _mm512_max_ps(v, _mm512_mask_loadu_ps(v, (__mmask16)((1u << (n - i)) - 1), x + i));
+  return _mm512_reduce_max_ps(v);
+#else
+#if defined(__AVX2__)
+  __m256 v = _mm256_set1_ps(init);
+  for (; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  for (float l : lanes) init = std::max(init, l);
+#endif
+  for (; i < n; ++i) init = std::max(init, x[i]);
+  return init;
+#endif
+}
+
 inline void scale_row(float* y, float a, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] *= a;
