@@ -106,16 +106,19 @@ def test_fp8_rows_widen_exactly_for_every_code(kernel: CpuBackend, fp8: torch.dt
     assert torch.equal(out.view(256), codes)
 
 
+@pytest.mark.parametrize("heads", [(8, 2), (12, 4), (10, 2), (12, 2)])
 @pytest.mark.parametrize("kd,vd", [(I8, I8), (E4, E5), (E5, I8)])
 def test_quantized_rows_give_the_bits_of_their_values_in_fp32(kernel: CpuBackend,
-                                                              kd: torch.dtype,
-                                                              vd: torch.dtype) -> None:
-    """Over int8 / fp8 rows (on AVX2 read as stored and widened in the loops, elsewhere
-    converted first) the kernel gives bit for bit its output over the same values dequantized
-    into an fp32 cache: value x bf16 scale is exact in fp32, and either way the loops see it."""
+                                                              kd: torch.dtype, vd: torch.dtype,
+                                                              heads: tuple[int, int]) -> None:
+    """Over int8 / fp8 rows (on AVX2 read as stored and widened once per block of query rows,
+    elsewhere converted first) the kernel gives bit for bit its output over the same values
+    dequantized into an fp32 cache: value x bf16 scale is exact in fp32, and either way the
+    loops see it. GQA groups of 4, 3, 5 and 6 (and prefill chunks of 4 tokens) leave every
+    remainder of the AVX2 loops' blocks of 3 (scores) and 4 (values) query rows."""
     gen = torch.Generator().manual_seed(4)
     meta, nb = make_batch([*DECODES, (9, 4)], 16, gen)
-    t, hq, hkv, d = meta.num_tokens, 8, 2, 64
+    (hq, hkv), t, d = heads, meta.num_tokens, 64
     q, k, v = (torch.randn(t, h, d, generator=gen) for h in (hq, hkv, hkv))
     kc, vc = (QuantizedKV(*quantize(torch.randn(nb, 16, hkv, d, generator=gen), dt))
               for dt in (kd, vd))

@@ -192,18 +192,13 @@ inline __m256 reduce8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
 }
 
-// 8 values of a row in fp32; int8 / fp8 ones times the row's scale `sc`: the values to_float
+// 8 values of an int8 / fp8 row in fp32, times the row's scale `sc`: the values to_float
 // writes (an 8-bit value times a bf16 scale is exact in fp32), so the loops give the same bits
 // as over converted rows, without writing and reading them again. fp8 codes become fp16 bits
 // (F16C widens those): e5m2 is fp16's top byte; e4m3's exponent and mantissa shifted under
 // fp16's field, which reads them 2^(15 - 7) too small (subnormals too), so e4m3 rows' scales
 // come times 256 (tile_rows_q). (fp8 by fp8_bits_to_float's arithmetic here, ~10 instructions
-// per 8 values, measured slower than converting rows first: the loops widen each row once per
-// query row of the GQA group.)
-template <typename T>
-constexpr bool SCALED_ROWS = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn> ||
-                             std::is_same_v<T, c10::Float8_e5m2>;  // rows that come with scales
-
+// per 8 values, measured slower than converting rows first.)
 template <typename T>
 inline __m256 row8(const T* p, __m256 sc) {
   if constexpr (std::is_same_v<T, int8_t>) {
@@ -224,10 +219,11 @@ inline __m256 row8(const T* p, __m256 sc) {
 }
 
 // 8 dot products at once (8 K rows against q[j]), q read from L1 (NV vectors would not all
-// fit beside the 8 accumulators). sc: the rows' scales (int8 / fp8 rows; unread for others).
+// fit beside the 8 accumulators).
 template <int NV, typename T>
-void scores_avx2_rows(const float* q, int64_t g, const void* const* rows, const float* sc,
-                      int64_t n, float* s) {
+void scores_avx2(const void* qp, float, int64_t g, int64_t, const void* const* rows, int64_t n,
+                 float* s) {
+  const float* q = static_cast<const float*>(qp);
   for (int64_t j = 0; j < g; ++j) {
     const float* qj = q + j * NV * 8;
     for (int64_t i = 0; i < n; i += 8) {
@@ -235,28 +231,21 @@ void scores_avx2_rows(const float* q, int64_t g, const void* const* rows, const 
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {
         const T* k = static_cast<const T*>(rows[i + t]);
-        const __m256 st = SCALED_ROWS<T> ? _mm256_set1_ps(sc[i + t]) : _mm256_setzero_ps();
-        a[t] = _mm256_mul_ps(_mm256_loadu_ps(qj), row8<T>(k, st));
+        a[t] = _mm256_mul_ps(_mm256_loadu_ps(qj), load8<T>(k));
 #pragma GCC unroll 16
         for (int c = 1; c < NV; ++c)
-          a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c * 8), row8<T>(k + c * 8, st), a[t]);
+          a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c * 8), load8<T>(k + c * 8), a[t]);
       }
       _mm256_storeu_ps(s + j * TILE + i, reduce8(a));
     }
   }
 }
 
-template <int NV, typename T>
-void scores_avx2(const void* qp, float, int64_t g, int64_t, const void* const* rows, int64_t n,
-                 float* s) {
-  scores_avx2_rows<NV, T>(static_cast<const float*>(qp), g, rows, nullptr, n, s);
-}
-
 // acc[j] += sum_i p[j][i] v_i over column chunks of CW vectors, two accumulator sets (even and
 // odd positions) of CW registers each.
 template <int NV, typename T>
-void values_avx2_rows(float* acc, int64_t g, const float* p, const void* const* rows,
-                      const float* sc, int64_t n) {
+void values_avx2(float* acc, int64_t g, int64_t, const float* p, const void* const* rows,
+                 int64_t n) {
   constexpr int CW = NV % 6 == 0 ? 6 : NV % 5 == 0 ? 5 : NV % 4 == 0 ? 4 : NV % 7 == 0 ? 7 : NV;
   for (int64_t j = 0; j < g; ++j) {
     const float* pj = p + j * TILE;
@@ -272,12 +261,10 @@ void values_avx2_rows(float* acc, int64_t g, const float* p, const void* const* 
         const T* r0 = static_cast<const T*>(rows[i]) + c0 * 8;
         const T* r1 = static_cast<const T*>(rows[i + 1]) + c0 * 8;
         const __m256 p0 = _mm256_set1_ps(pj[i]), p1 = _mm256_set1_ps(pj[i + 1]);
-        const __m256 s0 = SCALED_ROWS<T> ? _mm256_set1_ps(sc[i]) : _mm256_setzero_ps();
-        const __m256 s1 = SCALED_ROWS<T> ? _mm256_set1_ps(sc[i + 1]) : _mm256_setzero_ps();
 #pragma GCC unroll 8
         for (int c = 0; c < CW; ++c) {
-          a0[c] = _mm256_fmadd_ps(p0, row8<T>(r0 + c * 8, s0), a0[c]);
-          a1[c] = _mm256_fmadd_ps(p1, row8<T>(r1 + c * 8, s1), a1[c]);
+          a0[c] = _mm256_fmadd_ps(p0, load8<T>(r0 + c * 8), a0[c]);
+          a1[c] = _mm256_fmadd_ps(p1, load8<T>(r1 + c * 8), a1[c]);
         }
       }
 #pragma GCC unroll 8
@@ -286,10 +273,85 @@ void values_avx2_rows(float* acc, int64_t g, const float* p, const void* const* 
   }
 }
 
+// The loops over int8 / fp8 rows, which cost a few instructions each to widen: each row is
+// widened once for a block of JB query rows (the GQA group, or a prefill chunk's rows), not
+// once per query row. Every sum runs in the order the loops above give it over the same values
+// in fp32 (scores: the products over head_dim in order, then the lanes in reduce8's tree, which
+// reduce4 repeats; values: even and odd positions in two sums, added at the end), so the bits
+// are theirs (tested against the values in an fp32 cache).
+inline __m128 reduce4(const __m256* a) {  // out[t] = sum of the 8 lanes of a[t], t < 4
+  const __m256 c = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
+}
+
+template <int NV, int JB, typename T>
+void qscores_block(const float* q, const void* const* rows, const float* sc, int64_t n,
+                   float* s) {  // query rows q[0, JB) against 4 K rows at a time
+  for (int64_t i = 0; i < n; i += 4) {
+    __m256 a[JB][4];
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      const T* k = static_cast<const T*>(rows[i + t]);
+      const __m256 st = _mm256_set1_ps(sc[i + t]);
+      const __m256 w = row8<T>(k, st);
+#pragma GCC unroll 4
+      for (int jj = 0; jj < JB; ++jj) a[jj][t] = _mm256_mul_ps(_mm256_loadu_ps(q + jj * NV * 8), w);
+#pragma GCC unroll 16
+      for (int c = 1; c < NV; ++c) {
+        const __m256 wc = row8<T>(k + c * 8, st);
+#pragma GCC unroll 4
+        for (int jj = 0; jj < JB; ++jj)
+          a[jj][t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + jj * NV * 8 + c * 8), wc, a[jj][t]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int jj = 0; jj < JB; ++jj) _mm_storeu_ps(s + jj * TILE + i, reduce4(a[jj]));
+  }
+}
+
 template <int NV, typename T>
-void values_avx2(float* acc, int64_t g, int64_t, const float* p, const void* const* rows,
-                 int64_t n) {
-  values_avx2_rows<NV, T>(acc, g, p, rows, nullptr, n);
+void qscores_avx2(const float* q, int64_t g, const void* const* rows, const float* sc,
+                  int64_t n, float* s) {
+  int64_t j = 0;
+  for (; j + 3 <= g; j += 3) qscores_block<NV, 3, T>(q + j * NV * 8, rows, sc, n, s + j * TILE);
+  if (g - j == 2) qscores_block<NV, 2, T>(q + j * NV * 8, rows, sc, n, s + j * TILE);
+  if (g - j == 1) qscores_block<NV, 1, T>(q + j * NV * 8, rows, sc, n, s + j * TILE);
+}
+
+template <int NV, int JB, typename T>
+void qvalues_block(float* acc, const float* p, const void* const* rows, const float* sc,
+                   int64_t n) {  // acc rows [0, JB), one column chunk of 8 at a time
+  for (int c = 0; c < NV; ++c) {
+    __m256 a0[JB], a1[JB];
+#pragma GCC unroll 4
+    for (int jj = 0; jj < JB; ++jj) {
+      a0[jj] = _mm256_loadu_ps(acc + jj * NV * 8 + c * 8);
+      a1[jj] = _mm256_setzero_ps();
+    }
+    for (int64_t i = 0; i < n; i += 2) {  // rows and p are padded to 16 (zero rows, p = 0)
+      const __m256 w0 = row8<T>(static_cast<const T*>(rows[i]) + c * 8, _mm256_set1_ps(sc[i]));
+      const __m256 w1 =
+          row8<T>(static_cast<const T*>(rows[i + 1]) + c * 8, _mm256_set1_ps(sc[i + 1]));
+#pragma GCC unroll 4
+      for (int jj = 0; jj < JB; ++jj) {
+        a0[jj] = _mm256_fmadd_ps(_mm256_set1_ps(p[jj * TILE + i]), w0, a0[jj]);
+        a1[jj] = _mm256_fmadd_ps(_mm256_set1_ps(p[jj * TILE + i + 1]), w1, a1[jj]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int jj = 0; jj < JB; ++jj)
+      _mm256_storeu_ps(acc + jj * NV * 8 + c * 8, _mm256_add_ps(a0[jj], a1[jj]));
+  }
+}
+
+template <int NV, typename T>
+void qvalues_avx2(float* acc, int64_t g, const float* p, const void* const* rows,
+                  const float* sc, int64_t n) {
+  int64_t j = 0;
+  for (; j + 4 <= g; j += 4) qvalues_block<NV, 4, T>(acc + j * NV * 8, p + j * TILE, rows, sc, n);
+  if (g - j == 3) qvalues_block<NV, 3, T>(acc + j * NV * 8, p + j * TILE, rows, sc, n);
+  if (g - j == 2) qvalues_block<NV, 2, T>(acc + j * NV * 8, p + j * TILE, rows, sc, n);
+  if (g - j == 1) qvalues_block<NV, 1, T>(acc + j * NV * 8, p + j * TILE, rows, sc, n);
 }
 #endif
 
@@ -341,9 +403,10 @@ ValuesFn values_for(int64_t d) {
 #undef PAGEDLLM_SCORES
 #undef PAGEDLLM_VALUES
 
-// The loops over int8 rows as stored for head_dim d, where they exist (AVX2 builds: 1.17-1.33x
-// and 0.69-1.09x of contiguous SDPA at context 512 and 2048, from 2.01 and 1.59 converting rows
-// first; AVX-512 builds convert first, at 0.80-0.93x); else null (fp8 rows: converted first).
+// The loops over int8 / fp8 rows as stored for head_dim d, where they exist (AVX2 builds;
+// `bench kernel`, 125M shapes, e4m3: 0.97-1.13x and 0.59-0.62x of contiguous SDPA at context
+// 512 and 2048, from 1.88-1.97x and 1.00-1.07x widening rows once per query row); else null
+// (AVX-512 builds convert rows first).
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define PAGEDLLM_Q(fn)                                                                       \
   switch (rows) {                                                                            \
@@ -362,13 +425,13 @@ ValuesFn values_for(int64_t d) {
 #endif
 
 inline QScoresFn qscores_fn(Kind rows, int64_t d) {
-  PAGEDLLM_Q(scores_avx2_rows)
+  PAGEDLLM_Q(qscores_avx2)
   (void)rows, (void)d;
   return nullptr;
 }
 
 inline QValuesFn qvalues_fn(Kind rows, int64_t d) {
-  PAGEDLLM_Q(values_avx2_rows)
+  PAGEDLLM_Q(qvalues_avx2)
   (void)rows, (void)d;
   return nullptr;
 }
