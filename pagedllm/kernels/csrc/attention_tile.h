@@ -33,8 +33,8 @@ using ScoresFn = void (*)(const void* q, float post, int64_t g, int64_t d,
                           const void* const* rows, int64_t n, float* s);
 using ValuesFn = void (*)(float* acc, int64_t g, int64_t d, const float* p,
                           const void* const* rows, int64_t n);
-// The same loops over int8 / fp8 rows as stored, each times its scale sc[i] in registers (AVX2
-// builds; qscores_fn / qvalues_fn give null elsewhere).
+// Loops over int8 / fp8 rows as stored, each times its scale sc[i] in registers, with the sums
+// of the loops above (AVX2 builds; qscores_fn / qvalues_fn give null elsewhere).
 using QScoresFn = void (*)(const float* q, int64_t g, const void* const* rows, const float* sc,
                            int64_t n, float* s);
 using QValuesFn = void (*)(float* acc, int64_t g, const float* p, const void* const* rows,
