@@ -26,8 +26,9 @@ constexpr int GEMM_TILE_ROWS = 6;
 #endif
 constexpr int64_t GEMM_M_CHUNK = 64;  // rows of x walked over a thread's panels at a time
 
-// The share of the thread's next panel one register tile fetches while it computes: cache lines
-// from `base`, `step` of them per iteration of the tile's k loop (16.16 fixed point).
+// The share of the thread's next panel one register tile fetches while it computes: from
+// `base`, `step` bytes per iteration of the tile's k loop (at most 128, rounded up: the share's
+// end may be fetched twice, or a line past it).
 struct GemmAhead {
   const char* base;
   int64_t step;
@@ -73,13 +74,16 @@ inline GemmNext gemm_next(const std::optional<at::Tensor>& packed, int64_t m, in
           !gemm_serial(m * packed->numel(), packed->nbytes(), min_macs)};
 }
 
-// The lines of `ahead` for iteration i of a tile's k loop: the share is spread evenly over it.
-// Locality 1 (toward the outer caches: a panel of the next call is larger than L1) since the
-// small-batch round; 3 and 1 measured within noise of each other on the 125M decode GEMMs.
+// The lines of `ahead` for iteration i of a tile's k loop: the share is spread evenly over it,
+// two fetches half a step apart (a step is at most two lines). The address is a byte offset
+// that the k loop advances by one add: it was a 16.16 line count shifted back into bytes, two
+// shifts per fetch, and shifts issue on port 0, one of the FMA ports (1.03-1.07x, AVX-512 GEMM
+// at 186 rows, Intel Xeon, 2 threads; same bits: fetches only). Locality 1 (toward outer caches: a
+// panel of the next call is larger than L1); 3 and 1 measured within noise on 125M decode.
 inline void gemm_prefetch(GemmAhead ahead, int64_t i) {
-  const int64_t f = i * ahead.step;
-  __builtin_prefetch(ahead.base + (f >> 16) * 64, 0, 1);
-  __builtin_prefetch(ahead.base + ((f + ahead.step / 2) >> 16) * 64, 0, 1);
+  const char* at = ahead.base + i * ahead.step;
+  __builtin_prefetch(at, 0, 1);
+  __builtin_prefetch(at + ahead.step / 2, 0, 1);
 }
 
 // One register tile: rows x[0:R] (row stride ldx) times a panel of k_n values per column ->
@@ -125,7 +129,8 @@ void gemm_panels(const T* x, int64_t ldx, const W* w, int64_t panel_size, const 
         for (int64_t t = 0, r = r0; t < count; ++t) {
           const int64_t height = rows * (t + 1) / count - rows * t / count;
           const int64_t l0 = lines * t / count, l1 = lines * (t + 1) / count;
-          const GemmAhead ahead{next + l0 * 64, ((l1 - l0) << 16) / std::max<int64_t>(iters, 1)};
+          const int64_t span = (l1 - l0) * 64, its = std::max<int64_t>(iters, 1);
+          const GemmAhead ahead{next + l0 * 64, (span + its - 1) / its};
           tiles[height](x + r * ldx, ldx, panel, k, bias ? bias + col : nullptr, y + r * n + col,
                         n, n_valid, ahead);
           r += height;

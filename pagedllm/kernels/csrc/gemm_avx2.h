@@ -103,7 +103,7 @@ inline void avx2_tile(const float* x, int64_t ldx, const typename L::W* w, int64
                       GemmAhead ahead) {
   constexpr int A = R <= 6 ? R : (R + 1) / 2, B = R - A;
   const GemmAhead half{ahead.base, ahead.step / 2};
-  const GemmAhead second{ahead.base + ((half.step * k_n) >> 16) * 64, ahead.step - half.step};
+  const GemmAhead second{ahead.base + half.step * k_n, ahead.step - half.step};
   for (int h = 0; h < 2; ++h) {
     const int64_t cols = std::min<int64_t>(n_valid - 16 * h, 16);
     if (cols <= 0) break;
