@@ -29,12 +29,15 @@ def prompts() -> list[list[int]]:
 
 
 def run(model: Path) -> dict[str, Any]:
-    from pagedllm import LLM
+    from pagedllm import LLM, kernels
+    from pagedllm._cpu import cpu_model
 
     llm = LLM(model=str(model), **ENGINE)
     ps = prompts()
+    # the scores' bits are this CPU's and ISA's (tests/test_beam_search.py compares them exactly
+    # only where both match)
     out: dict[str, Any] = {"engine": ENGINE, "max_tokens": MAX_TOKENS, "prompts": ps,
-                           "widths": {}}
+                           "cpu": cpu_model(), "isa": kernels.isa(), "widths": {}}
     for w in WIDTHS:
         res = llm.beam_search([{"prompt_token_ids": p} for p in ps], beam_width=w,
                               max_tokens=MAX_TOKENS)

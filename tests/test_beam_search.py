@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, kernels
+from pagedllm._cpu import cpu_model
 from pagedllm.engine.beam import KEEP_KV_S, BeamSearchDriver
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from pagedllm.kv.trace import load, replay
@@ -112,15 +113,27 @@ GOLDEN = Path(__file__).resolve().parent / "data" / "beam_search_golden.json"
 
 
 def test_beam_search_is_bit_identical_to_the_in_core_search(tiny_models: dict[str, Path]) -> None:
-    """Widths 1..20, token ids and scores exactly as the search inside the engine core gave them
-    (``scripts/beam_golden.py`` wrote the file before beam search moved above the core)."""
+    """Widths 1..20, token ids and scores as the search inside the engine core gave them
+    (``scripts/beam_golden.py`` wrote the file before beam search moved above the core).
+
+    The scores' bits are those of the CPU that wrote the file: the tiny model's forward rounds
+    differently on another CPU (an Intel Xeon gives scores up to 5.7e-6 off an AMD EPYC's, every
+    token the same). So the whole output is compared exactly where the file names this CPU and
+    ISA (files written since it records them), and elsewhere the token ids exactly and the
+    scores to a relative 1e-5: any change to what a score sums is larger than that."""
     want = json.loads(GOLDEN.read_text())
+    exact = want.get("cpu") == cpu_model() and want.get("isa") == kernels.isa()
     llm = LLM(model=str(tiny_models["llama"]), **want["engine"])
     prompts = [{"prompt_token_ids": p} for p in want["prompts"]]
     for w, expected in want["widths"].items():
         outs = llm.beam_search(prompts, beam_width=int(w), max_tokens=want["max_tokens"])
         got = [[[s.token_ids, s.cumulative_logprob] for s in o.sequences] for o in outs]
-        assert got == expected, f"beam_width={w}"
+        if exact:
+            assert got == expected, f"beam_width={w}"
+            continue
+        assert [[t for t, _ in o] for o in got] == [[t for t, _ in o] for o in expected], w
+        assert [[sc for _, sc in o] for o in got] == [
+            [pytest.approx(sc, rel=1e-5) for _, sc in o] for o in expected], f"beam_width={w}"
     eng = llm.engine
     eng.check_integrity()
     assert eng.kv.num_free_blocks == eng.kv.num_blocks and not eng.scheduler.holds
