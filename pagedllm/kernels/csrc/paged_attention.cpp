@@ -86,33 +86,46 @@ CacheView view_of(const at::Tensor& cache, const std::optional<at::Tensor>& scal
 // (converted by tile_rows).
 Kind row_kind(Kind k) { return k == Kind::F16 || k == Kind::BF16 ? k : Kind::F32; }
 
+// One cache's (K's or V's) rows in the tile: byte offsets of its positions' rows of kv head 0
+// and (int8 / fp8 caches) the indices of their scales, filled once per tile (`place`); then,
+// per head, the row pointers the loops read, with the rows' scales (int8 / fp8 loops) or the
+// rows converted into `buf`.
+struct TileSide {
+  std::vector<int64_t> at, st;
+  std::vector<const void*> rows;
+  std::vector<float> sc, buf;
+  explicit TileSide(int64_t d) : at(TILE), st(TILE), rows(TILE), sc(TILE), buf(TILE * d) {}
+  void place(const CacheView& c, int64_t i, int64_t blk, int64_t off) {
+    at[i] = (blk * c.s_block + off * c.s_off) * c.elem;
+    if (c.scale) st[i] = blk * c.c_block + off * c.c_off;
+  }
+};
+
 struct Scratch {
-  std::vector<float> q, acc, m, l, p, kbuf, vbuf, zero, ksc, vsc;  // ksc / vsc: rows' scales
+  std::vector<float> q, acc, m, l, p, zero;
   std::vector<c10::BFloat16> qb;  // q unscaled, for the bf16 scores loop
-  std::vector<const void*> krows, vrows;
-  // the tile's positions: byte offsets of their K / V rows of kv head 0, and (int8 / fp8
-  // caches) the indices of those rows' scales
-  std::vector<int64_t> kat, vat, kst, vst;
+  TileSide k, v;
   Scratch(int64_t heads, int64_t d)
-      : q(heads * d), acc(heads * d), m(heads), l(heads), p(heads * TILE), kbuf(TILE * d),
-        vbuf(TILE * d), zero(d), ksc(TILE), vsc(TILE), qb(heads * d), krows(TILE), vrows(TILE),
-        kat(TILE), vat(TILE), kst(TILE), vst(TILE) {}
+      : q(heads * d), acc(heads * d), m(heads), l(heads), p(heads * TILE), zero(d), qb(heads * d),
+        k(d), v(d) {}
 };
 
 // Row pointers of head h at the tile's n positions (then zero rows up to n16): into the cache
-// for fp32 / fp16 / bf16, else converted (and scaled) into buf.
-// `at`, `st`: the rows' byte offsets and scale indices for kv head 0 (Scratch::kat / kst, vat /
-// vst).
-void tile_rows(const CacheView& c, const int64_t* at, const int64_t* st, const float* zero,
-               int64_t n, int64_t n16, int64_t h, int64_t d, float* buf, const void** rows) {
+// for fp32 / fp16 / bf16, else converted (and scaled) into t.buf.
+// (The vectors' data are read into locals: a store through t.rows may alias their pointers.)
+void tile_rows(const CacheView& c, TileSide& t, const float* zero, int64_t n, int64_t n16,
+               int64_t h, int64_t d) {
   const char* head = c.data + h * c.s_head * c.elem;
+  const int64_t *at = t.at.data(), *st = t.st.data();
+  const void** rows = t.rows.data();
   if (!c.scale) {
     for (int64_t i = 0; i < n; ++i) rows[i] = head + at[i];
   } else {
     const uint16_t* scale = c.scale + h * c.c_head;
     for (int64_t i = 0; i < n; ++i) {
-      to_float(c.kind, head + at[i], bf16_to_float(scale[st[i]]), buf + i * d, d);
-      rows[i] = buf + i * d;
+      float* row = t.buf.data() + i * d;
+      to_float(c.kind, head + at[i], bf16_to_float(scale[st[i]]), row, d);
+      rows[i] = row;
     }
   }
   for (int64_t i = n; i < n16; ++i) rows[i] = zero;
@@ -120,11 +133,14 @@ void tile_rows(const CacheView& c, const int64_t* at, const int64_t* st, const f
 
 // tile_rows for the int8 / fp8 loops (QScoresFn / QValuesFn): the rows as stored and their
 // scales (zero rows scaled by 0 past n); e4m3 scales times 256, exactly (attention_tile.h row8).
-void tile_rows_q(const CacheView& c, const int64_t* at, const int64_t* st, const float* zero,
-                 int64_t n, int64_t n16, int64_t h, const void** rows, float* sc) {
+void tile_rows_q(const CacheView& c, TileSide& t, const float* zero, int64_t n, int64_t n16,
+                 int64_t h) {
   const float unit = c.kind == Kind::E4M3 ? 256.0f : 1.0f;
   const char* head = c.data + h * c.s_head * c.elem;
   const uint16_t* scale = c.scale + h * c.c_head;
+  const int64_t *at = t.at.data(), *st = t.st.data();
+  const void** rows = t.rows.data();
+  float* sc = t.sc.data();
   for (int64_t i = 0; i < n; ++i) {
     rows[i] = head + at[i];
     sc[i] = bf16_to_float(scale[st[i]]) * unit;
@@ -201,10 +217,8 @@ void attend(const Problem& pb, Scratch& s, const Item& it) {
     const int64_t n = std::min(TILE, hi - p0), n16 = (n + 15) / 16 * 16;
     for (int64_t i = 0, bi = p0 / pb.block_size, off = p0 % pb.block_size; i < n; ++i) {
       const int64_t blk = table[bi];
-      s.kat[i] = (blk * pb.k.s_block + off * pb.k.s_off) * pb.k.elem;
-      s.vat[i] = (blk * pb.v.s_block + off * pb.v.s_off) * pb.v.elem;
-      if (pb.k.scale) s.kst[i] = blk * pb.k.c_block + off * pb.k.c_off;
-      if (pb.v.scale) s.vst[i] = blk * pb.v.c_block + off * pb.v.c_off;
+      s.k.place(pb.k, i, blk, off);
+      s.v.place(pb.v, i, blk, off);
       if (++off == pb.block_size) off = 0, ++bi;
     }
     const int64_t p1 = std::min(hi, p0 + 2 * TILE);
@@ -216,11 +230,11 @@ void attend(const Problem& pb, Scratch& s, const Item& it) {
       const void* qj = pb.q_bf16 ? static_cast<const void*>(s.qb.data() + j0 * d)
                                  : static_cast<const void*>(s.q.data() + j0 * d);
       if (pb.qscores) {
-        tile_rows_q(pb.k, s.kat.data(), s.kst.data(), s.zero.data(), n, n16, h, s.krows.data(), s.ksc.data());
-        pb.qscores(s.q.data() + j0 * d, rows, s.krows.data(), s.ksc.data(), n16, pj0);
+        tile_rows_q(pb.k, s.k, s.zero.data(), n, n16, h);
+        pb.qscores(s.q.data() + j0 * d, rows, s.k.rows.data(), s.k.sc.data(), n16, pj0);
       } else {
-        tile_rows(pb.k, s.kat.data(), s.kst.data(), s.zero.data(), n, n16, h, d, s.kbuf.data(), s.krows.data());
-        pb.scores(qj, pb.scale, rows, d, s.krows.data(), n16, pj0);
+        tile_rows(pb.k, s.k, s.zero.data(), n, n16, h, d);
+        pb.scores(qj, pb.scale, rows, d, s.k.rows.data(), n16, pj0);
       }
       for (int64_t j = j0; j < j0 + rows; ++j) {  // online softmax over the tile's positions
         float* pj = s.p.data() + j * TILE;    // [a, b) this token may attend (causal, window)
@@ -247,11 +261,11 @@ void attend(const Problem& pb, Scratch& s, const Item& it) {
         if (alpha != 1.0f) scale_row(s.acc.data() + j * d, alpha, d);
       }
       if (pb.qvalues) {
-        tile_rows_q(pb.v, s.vat.data(), s.vst.data(), s.zero.data(), n, n16, h, s.vrows.data(), s.vsc.data());
-        pb.qvalues(acc, rows, pj0, s.vrows.data(), s.vsc.data(), n16);
+        tile_rows_q(pb.v, s.v, s.zero.data(), n, n16, h);
+        pb.qvalues(acc, rows, pj0, s.v.rows.data(), s.v.sc.data(), n16);
       } else {
-        tile_rows(pb.v, s.vat.data(), s.vst.data(), s.zero.data(), n, n16, h, d, s.vbuf.data(), s.vrows.data());
-        pb.values(acc, rows, d, pj0, s.vrows.data(), n16);
+        tile_rows(pb.v, s.v, s.zero.data(), n, n16, h, d);
+        pb.values(acc, rows, d, pj0, s.v.rows.data(), n16);
       }
     }
   }
