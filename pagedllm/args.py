@@ -122,10 +122,12 @@ class EngineArgs:
         _E.fused_layers, "CPU, with --fused-ops: each decoder layer as two C++ ops around its "
         "attention; --no-fused-layers calls its modules one by one")
     batch_invariant: bool = setting(
-        _E.batch_invariant, "CPU: a request's tokens and logprobs have the same bits whatever "
+        _E.batch_invariant, "a request's tokens and logprobs have the same bits whatever "
         "else is in the batch (its neighbours, prefill chunking, prefix-cache hits, preemption): "
-        "every linear on pagedllm's GEMM, attention on a fixed tile grid, a generator per "
-        "sampled request")
+        "on CPU every linear on pagedllm's GEMM, attention on a fixed tile grid; with the triton "
+        "attention backend (CUDA; not yet measured on a GPU) Triton GEMM, norm and softmax "
+        "kernels with one tile for every batch, every token through the fixed-split decode "
+        "kernel; a generator per sampled request")
     tensor_parallel_size: int = setting(
         _P.tensor_parallel_size, "shard the model over N ranks (worker processes; CPU/gloo)", "-tp")
     distributed_executor_backend: str = setting(
@@ -226,7 +228,8 @@ class EngineArgs:
         hub = partial(resolve_model, cache_dir=self.download_dir)
         model = hub(self.model, revision=self.revision) if self.model else default_model_path()
         mcfg = ModelConfig.from_hf(model, self.dtype, self.trust_remote_code, self._hf_overrides())
-        if self.device == "cpu" and self.linear_backend in ("auto", "gemm"):
+        if (self.device == "cpu" and self.linear_backend in ("auto", "gemm")
+                and self.attention_backend != "triton"):  # the Triton family has its own GEMM
             from pagedllm.layers.linear import w16_dtype
 
             if (w16 := w16_dtype(mcfg.dtype, self.device)) is not None:  # 16-bit weights, fp32 math

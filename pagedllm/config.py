@@ -340,8 +340,7 @@ class EngineConfig:
     # weights and a profiled peak of activations use (when neither kv_cache_memory nor
     # num_kv_blocks is given); see runner/memory.py.
     gpu_memory_utilization: float = 0.9
-    # CUDA only: run every step eagerly instead of replaying CUDA graphs for decode batches.
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # CUDA: every step eager, no CUDA graphs for decode batches
     # CPU: "auto" runs linear layers on packed weights where it can (float32 on pagedllm's own
     # GEMM, else oneDNN: float32, and bfloat16 on CPUs with it; layers/linear.py), "gemm" on
     # pagedllm's GEMM alone (float32, and bfloat16 on CPUs with AVX512-BF16; F.linear where it
@@ -355,7 +354,7 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None  # pagedllm/spec_decode (None: off)
-    batch_invariant: bool = False  # a request's bits whatever the batch (README); CPU only
+    batch_invariant: bool = False  # a request's bits whatever the batch (README)
     lora: LoRAConfig | None = None  # pagedllm/lora (None: off, a LoRARequest is refused)
     max_logprobs: int = 20  # largest logprobs / prompt_logprobs a request may ask for
 
@@ -373,16 +372,17 @@ class EngineConfig:
             raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0 (or -1 in "
                              "EngineArgs: the vocabulary)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
-            )
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} not in (0, 1]")
 
     def _check_batch_invariant(self) -> None:
-        """What batch-invariant mode does not cover, refused by name."""
+        """What batch-invariant mode does not cover, refused by name. It runs on the CPU's
+        kernels (attention backend "cpu") or Triton's (backend "triton", CUDA's default)."""
+        cpu = (self.attention_backend or self.device) == "cpu"  # else triton (or refused)
         for bad, why in [
-            (self.device != "cpu", "CUDA's cuBLAS kernels follow the rows; use --device cpu"),
-            (self.linear_backend not in ("auto", "gemm"), "use --linear-backend auto"),
-            (not self.fused_ops, "torch's RMSNorm may split a row; drop --no-fused-ops"),
+            (self.device != "cpu" and self.attention_backend not in (None, "triton"),
+             "on CUDA it runs on the triton attention backend; use --attention-backend triton"),
+            (cpu and self.linear_backend not in ("auto", "gemm"), "use --linear-backend auto"),
+            (cpu and not self.fused_ops, "torch's RMSNorm may split a row; drop --no-fused-ops"),
             (self.parallel.tensor_parallel_size > 1, "the all-reduce's order varies; use -tp 1"),
             (self.speculative is not None, "not covered; drop --speculative-config"),
             (self.lora is not None, "LoRA deltas run on torch's matmuls; drop --enable-lora")]:

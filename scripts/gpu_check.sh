@@ -16,6 +16,9 @@
 #   lora        the model with 8 random adapters (rank 16): base vs LoRA with its decode graphs
 #               vs LoRA eager, one run (issue 29's >= 0.7x)              -> throughput-lora.json
 #   eager       the same workload, pagedllm only, --enforce-eager       -> throughput-eager.json
+#   invariant   batch-invariant mode on the Triton family (issue 30): its kernel and engine tests
+#               compiled for this GPU (fp32 and bf16, bitwise), then the cost: the model's
+#               workload at 32 sequences, default vs --batch-invariant -> throughput-invariant.json
 #   summary     the headline numbers and targets of the JSON files      -> summary.txt
 # Every step's full output is in $OUT/<step>.log; the last lines are echoed here.
 # Knobs (env): GPU_CHECK_STEPS (comma list of the steps above), NUM_PROMPTS (128), REPS (2),
@@ -25,7 +28,7 @@ set -uo pipefail
 
 OUT="${OUT:-./gpu-results}"
 BUDGET="${GPU_CHECK_BUDGET_S:-560}"
-STEPS=",${GPU_CHECK_STEPS:-env,pytest,kernel,model,lora,throughput,eager,summary},"
+STEPS=",${GPU_CHECK_STEPS:-env,pytest,kernel,model,lora,throughput,eager,invariant,summary},"
 NUM_PROMPTS="${NUM_PROMPTS:-128}"
 REPS="${REPS:-2}"
 HF_BATCH="${HF_BATCH:-32}"
@@ -120,7 +123,8 @@ if torch.cuda.is_available():
 '
     head -n 20 "$OUT/nvidia-smi.txt" | sed "s/^/  [nvidia-smi] /"
 fi
-if { want pytest || want kernel || want model || want throughput || want eager || want lora; } &&
+if { want pytest || want kernel || want model || want throughput || want eager || want lora ||
+    want invariant; } &&
     ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     log "FATAL: torch sees no CUDA GPU; nothing below can run"
     exit 1
@@ -184,6 +188,18 @@ if want eager && ((HAVE_TRITON)) && [[ -f "$MODEL_DIR/config.json" ]]; then
         --backends pagedllm --enforce-eager --output-json "$OUT/throughput-eager.json" --no-plot
 fi
 
+# -- batch-invariant mode (Triton family): bitwise tests on this GPU, then its cost -------------
+if want invariant && ((HAVE_TRITON)); then
+    TRITON_INTERPRET=0 run_step invariant-tests 240 "$PY" -m pytest -q -p no:cacheprovider -rfE \
+        --timeout 200 -m "slow or not slow" tests/layers/test_triton_invariant_ops.py \
+        tests/attention/test_triton_invariant_attention.py tests/golden/test_batch_invariant_triton.py
+    if [[ -f "$MODEL_DIR/config.json" ]]; then
+        run_step throughput-invariant 200 "$PY" -m pagedllm.entrypoints.cli bench throughput \
+            "${TP_ARGS[@]}" --max-num-seqs 32 --backends "pagedllm,pagedllm[batch_invariant=true]" \
+            --gpu-memory-utilization 0.25 --output-json "$OUT/throughput-invariant.json" --no-plot
+    fi
+fi
+
 # -- summary -----------------------------------------------------------------------------------
 if want summary; then
     "$PY" - "$OUT" <<'EOF' | tee -a "$OUT/summary.txt"
@@ -228,7 +244,8 @@ if k:
         print(f"   target {t['target']}: {t['value']} -> {'met' if t['met'] else 'MISSED'}")
 else:
     print("== kernel: no kernel.json")
-for name in ("throughput.json", "throughput-eager.json", "throughput-lora.json"):
+for name in ("throughput.json", "throughput-eager.json", "throughput-lora.json",
+             "throughput-invariant.json"):
     t = load(name)
     if not t:
         print(f"== {name}: missing")

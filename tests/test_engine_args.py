@@ -193,7 +193,7 @@ def test_getting_started_lists_every_option_in_order() -> None:
 
 
 @pytest.mark.parametrize("change,names", [
-    ({"device": "cuda"}, "--device cpu"),
+    ({"device": "cuda", "attention_backend": "torch_ref"}, "--attention-backend triton"),
     ({"linear_backend": "onednn"}, "--linear-backend auto"),
     ({"fused_ops": False}, "--no-fused-ops"),
     ({"tensor_parallel_size": 2}, "-tp 1"),

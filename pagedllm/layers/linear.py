@@ -49,7 +49,9 @@ class Linear(nn.Linear):
     ``weight`` stays readable unless packing dropped it: an untied weight not needed for F.linear."""
 
     packed: torch.Tensor | None = None
-    kind: str = "torch"  # "torch" (F.linear on weight), "onednn" or "gemm": what ``packed`` is
+    # "torch" (F.linear on weight), "onednn" or "gemm": what ``packed`` is; "triton": the
+    # batch-invariant Triton GEMM on the plain weight (``use_triton_invariant``)
+    kind: str = "torch"
     gemv: bool = False  # packed for oneDNN, and a single row still goes to F.linear on the plain weight
 
     def pack(self, keep_weight: bool = False, backend: str = "auto",
@@ -86,6 +88,11 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W.T (+ bias); x [..., in] -> [..., out]."""
+        if self.kind == "triton":
+            from pagedllm.layers import triton_invariant
+
+            y = triton_invariant.matmul(x.reshape(-1, x.shape[-1]), self.weight, bias)
+            return y.view(*x.shape[:-1], y.shape[-1])
         if self.packed is None or (self.gemv and x.numel() == x.shape[-1]):
             return F.linear(x, self.weight, bias)
         flat = x.reshape(-1, x.shape[-1])
@@ -191,6 +198,27 @@ def pack_batch_invariant(model: nn.Module, weight_dtype: torch.dtype | None = No
     for layer in odd:
         kernels.set_fused_ops(layer, False, "fused_layer")
     return len(odd)
+
+
+def use_triton_invariant(model: nn.Module) -> int:
+    """Batch-invariant mode on the Triton kernel family (layers/triton_invariant.py): every
+    ``Linear`` on the Triton GEMM with one tile for every batch, every ``RMSNorm`` on the
+    row-per-program Triton kernel, and the fused CPU ops off (the decoder-layer op would skip
+    both; the GPU never runs them). Returns how many linears; raises ValueError naming the
+    flag for a weight dtype the kernels do not take."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    bad = {str(m.weight.dtype) for m in linears
+           if m.weight.dtype not in (torch.float32, torch.float16, torch.bfloat16)}
+    if bad or any(m.packed is not None for m in linears):
+        raise ValueError(f"--batch-invariant's Triton GEMM takes float32 / float16 / bfloat16 "
+                         f"weights, not {', '.join(sorted(bad)) or 'packed ones'}; use --dtype "
+                         f"bfloat16 or float32, or drop --batch-invariant")
+    kernels.set_fused_ops(model, False)
+    kernels.set_fused_ops(model, False, "fused_layer")
+    kernels.set_fused_ops(model, True, "invariant")
+    for m in linears:
+        m.kind = "triton"
+    return len(linears)
 
 
 class MergedLinear(Linear):

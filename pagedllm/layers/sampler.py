@@ -12,6 +12,7 @@ seeded request gives the same tokens whatever else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,9 @@ class SamplingMetadata:
     # word t // 32 set = token t allowed); the other rows are not masked
     token_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None
+    # batch-invariant mode on the Triton family: its row softmax, (logits, log) -> fp32 probs
+    # or logprobs (layers/triton_invariant.py); None: torch's
+    softmax: Callable[[torch.Tensor, bool], torch.Tensor] | None = None
 
 
 @dataclass
@@ -82,9 +86,16 @@ def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tenso
     return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
 
+def softmax(logits: torch.Tensor, md: SamplingMetadata, log: bool = False) -> torch.Tensor:
+    """(log-)softmax over the vocabulary: ``md.softmax`` where set, else torch's."""
+    if md.softmax is not None:
+        return md.softmax(logits, log)
+    return logits.log_softmax(-1) if log else logits.softmax(-1)
+
+
 def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.min_p is not None:
-        probs = logits.softmax(-1)
+        probs = softmax(logits, md)
         thresh = probs.amax(-1, keepdim=True) * md.min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < thresh, float("-inf"))
     if md.top_k is None and md.top_p is None:
@@ -96,7 +107,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
         ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
         sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
     if md.top_p is not None:
-        probs = sorted_logits.softmax(-1)
+        probs = softmax(sorted_logits, md)
         cum_before = probs.cumsum(-1) - probs  # mass strictly before each token
         drop = cum_before >= md.top_p.unsqueeze(1)
         drop[:, 0] = False  # always keep the most likely token
@@ -129,7 +140,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     if plain_greedy(md):
         return SamplerOutput(token_ids=argmax(logits))
     logits = logits.float()
-    raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs is not None else None
+    raw_logprobs = softmax(logits, md, log=True) if md.max_num_logprobs is not None else None
     logits = apply_penalties(logits, md)
     if md.bias is not None:
         logits = logits.index_put(md.bias[:2], md.bias[2], accumulate=True)
@@ -144,7 +155,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         greedy_rows = md.temperature == 0.0
         temp = torch.where(greedy_rows, torch.ones_like(md.temperature), md.temperature)
         logits = apply_top_k_top_p_min_p(logits / temp.unsqueeze(1), md)
-        probs = logits.softmax(-1)
+        probs = softmax(logits, md)
         race = torch.empty_like(probs).exponential_()
         for row, gen in md.generators.items():
             race[row].exponential_(generator=gen)

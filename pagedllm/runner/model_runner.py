@@ -13,18 +13,16 @@ to be sized from ``gpu_memory_utilization`` the runner profiles the worst-case s
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm import _hugepages, _malloc, _openmp, kernels
+from pagedllm import _malloc
 from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import TPGroup, local_kv_model
 from pagedllm.kv.ext_tier import rank_part
-from pagedllm.layers.linear import Linear, pack_batch_invariant, pack_linears
 from pagedllm.layers.sampler import SamplingMetadata, logprob_stats, plain_greedy, sample
 from pagedllm.logging_utils import init_logger
 from pagedllm.lora.manager import LoRAManager
@@ -34,6 +32,7 @@ from pagedllm.runner.batch import HostBatch, Uploader, build_host_batch, fetch
 from pagedllm.runner.constraints import TokenConstraints
 from pagedllm.runner.cuda_graph import DecodeGraphs, capture_sizes
 from pagedllm.runner.kv_cache import KVCache
+from pagedllm.runner.linears import prepare_model
 from pagedllm.runner.memory import MemoryProfile, MemoryProfiler
 from pagedllm.runner.model_input import ModelInput, SeqInput
 from pagedllm.runner.penalties import PenaltyCounts
@@ -103,31 +102,7 @@ class ModelRunner:
             profiler.start()
         self.model = load_model(config.model, self.backend, str(self.device), tp)
         self.lora = None if config.lora is None else LoRAManager(self.model, config.lora, self.device)
-        kernels.set_fused_ops(self.model, config.fused_ops)
-        kernels.set_fused_ops(self.model, config.fused_layers, "fused_layer")
-        if self.device.type == "cpu":
-            w16 = config.model.weight_dtype
-            w16_torch = None if w16 is None else getattr(torch, w16)
-            if config.batch_invariant:
-                if n := pack_batch_invariant(self.model, w16_torch):
-                    logger.info("batch-invariant mode: %d decoder layers have a linear width that "
-                                "is not a multiple of 32 and run their modules one by one", n)
-            elif config.linear_backend != "torch":
-                if w16 is not None:
-                    logger.info(
-                        "dtype %s: this CPU has no %s arithmetic for pagedllm's kernels (ISA %s), "
-                        "so the linear weights stay %s (half the bytes a decode step reads) and "
-                        "activations and KV are float32: the fastest of the three measured on "
-                        "AVX2 (125M: 1.35x float32 weights, 7x %s activations on oneDNN; "
-                        "docs/features/cpu-isa.md)", w16, w16, kernels.isa(), w16, w16)
-                pack_linears(self.model, config.linear_backend, w16_torch)
-            if config.linear_backend != "torch" or config.batch_invariant:
-                kinds = [m.kind for m in self.model.modules() if isinstance(m, Linear)]
-                logger.debug("linear layers per kind: %s", {k: kinds.count(k) for k in set(kinds)})
-            if (hint := _openmp.advice(torch.get_num_threads())) is not None:
-                # pagedllm's own choice is a tuning detail; advice the user can act on is not
-                logger.log(logging.DEBUG if hint == _openmp.CHOICE else logging.INFO, hint)
-            logger.debug(_hugepages.CHOICE)
+        self.softmax = prepare_model(self.model, config, self.device, self.backend.name)
         cache = config.cache
         if cache.kv_quantized and not self.backend.supports_quantized_kv:
             raise ValueError(
@@ -326,6 +301,7 @@ class ModelRunner:
             # a grammar's row never verifies
             md, masks = sampling_metadata(sub, self.uploader, self.generators, self.penalty_counts,
                                           self.config.seed if self.config.batch_invariant else None)
+            md.softmax = self.softmax
             if masks or out.token_masks is not None:
                 self.constraints.add(md, owner, sub, out.token_masks)
             # [rows, V]: fp32, or as the LM head made them where the argmax is all that is read
@@ -368,7 +344,8 @@ class ModelRunner:
         for a in range(s.start, end, PROMPT_LOGPROBS_ROWS):
             b = min(a + PROMPT_LOGPROBS_ROWS, end)
             rows = hidden[row0 + a - s.start : row0 + b - s.start]
-            logprobs = self.model.compute_logits(rows).log_softmax(-1)  # [rows, V] fp32
+            logits = self.model.compute_logits(rows)  # [rows, V] fp32
+            logprobs = logits.log_softmax(-1) if self.softmax is None else self.softmax(logits, True)
             targets = self.uploader.tensor(prompt[a + 1 : b + 1], torch.long)
             st = logprob_stats(logprobs, targets, k)
             c, r, tk_ids, tk_lps = fetch([st.logprobs, st.ranks, st.topk_ids, st.topk_logprobs])

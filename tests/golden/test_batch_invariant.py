@@ -229,15 +229,21 @@ def test_unseeded_request_has_its_own_generator(tiny_models: dict[str, Path],
 def test_matches_hf(odd_model: Path) -> None:
     """The mode on the odd-width, windowed model against HF transformers: greedy tokens equal,
     logprobs within 1e-4 (fp32)."""
+    rng = random.Random(2)
+    prompts = [_prompt(rng, n, ODD["vocab_size"]) for n in (3, 120, PROMPT_LEN)]
+    llm = LLM(model=str(odd_model), batch_invariant=True, max_model_len=384,
+              max_num_batched_tokens=64)
+    assert_matches_hf(odd_model, prompts, llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                       GREEDY, use_tqdm=False))
+
+
+def assert_matches_hf(path: Path, prompts: list[list[int]], outs: list[RequestOutput]) -> None:
+    """Greedy ``outs`` of ``prompts`` against HF transformers on ``path`` in fp32: the same
+    tokens, each token's logprob within 1e-4."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    rng = random.Random(2)
-    prompts = [_prompt(rng, n, ODD["vocab_size"]) for n in (3, 120, PROMPT_LEN)]
-    hf = AutoModelForCausalLM.from_pretrained(odd_model, dtype=torch.float32).eval()
-    llm = LLM(model=str(odd_model), batch_invariant=True, max_model_len=384,
-              max_num_batched_tokens=64)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for p, out in zip(prompts, outs, strict=True):
         ids = list(out.outputs[0].token_ids)
         with torch.no_grad():

@@ -3,23 +3,15 @@ interpreter on CPU tensors (TRITON_INTERPRET must be set before triton is first 
 
 from __future__ import annotations
 
-import os
+from triton_env import DEVICE  # first: sets TRITON_INTERPRET before triton is imported
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# isort: split
+import pytest
+import torch
+from torch import nn
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+from pagedllm.lora.ops import LoRAMapping, LoRAStack
 
-pytest.importorskip("triton", reason="triton is not installed (pip install 'pagedllm[cuda]')")
-
-from pagedllm.attention.triton import common  # noqa: E402
-from pagedllm.lora.ops import LoRAMapping, LoRAStack  # noqa: E402
-
-if not common.INTERPRET and not torch.cuda.is_available():
-    pytest.skip("triton was imported without TRITON_INTERPRET=1 and there is no GPU",
-                allow_module_level=True)
-DEVICE = "cpu" if common.INTERPRET else "cuda"
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")  # a lane read out of bounds
 
 

@@ -2,6 +2,8 @@
 
 Decode rows (query_len == 1) go to ``decode_attention``, every other request's chunk to
 ``prefill_attention``; both read the paged cache in place (no gather) and accumulate in fp32.
+In batch-invariant mode every query token goes to ``decode_attention`` as a row of its own, with
+splits of a fixed length (``_token_rows``).
 The per-step request split (which requests decode, which prefill) is computed once per step from
 the host copies in the metadata and reused by every layer.
 """
@@ -35,6 +37,20 @@ class _StepPlan(NamedTuple):
     prefill_max_query_len: int
 
 
+class _TokenRows(NamedTuple):
+    """Every query token of a step as a decode row of its own (batch-invariant mode)."""
+
+    decode_reqs: torch.Tensor  # [T] int32: 0..T-1
+    query_start_loc: torch.Tensor  # [T+1] int32: row i's query is token i
+    seq_lens: torch.Tensor  # [T] int32: the token's position + 1
+    block_tables: torch.Tensor  # [T, max_blocks] int32: its request's table
+    max_seq_len: int
+
+
+# Keys per decode split in batch-invariant mode: 4 tiles of 64 (head_dim <= 128)
+INVARIANT_SPLIT_LEN = 256
+
+
 class TritonBackend(AttentionBackend):
     """Paged attention in Triton kernels; see the package README for the kernel design.
 
@@ -45,19 +61,25 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_quantized_kv = True
     supports_cuda_graphs = True
+    supports_batch_invariant = True
     decode_target_programs: int = 256
     decode_min_split_len: int = 256
     # Decode splits of this many keys whatever the batch, merged in split order (None: from
-    # the batch, as above). Batch-invariant decode; the engine's batch-invariant mode is CPU
-    # only (cuBLAS linears, and this prefill kernel's bits differ from the decode kernel's),
-    # so ``supports_batch_invariant`` stays False.
+    # the batch, as above): batch-invariant decode.
     decode_split_len: int | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, batch_invariant: bool = False) -> None:
+        """``batch_invariant``: every query token, prefill or decode, through the decode kernel
+        with splits of ``INVARIANT_SPLIT_LEN`` keys: a token's bits then depend on its own
+        position and keys alone, not on its chunk, its batch or where its prefix came from
+        (the prefill kernel's tiles start where a chunk does)."""
         if not common.INTERPRET and not torch.cuda.is_available():
             raise ValueError(_NEEDS_CUDA)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            self.decode_split_len = INVARIANT_SPLIT_LEN
         self._plan_meta: AttentionMetadata | None = None
-        self._plan: _StepPlan | None = None
+        self._plan: _StepPlan | _TokenRows | None = None
         if torch.cuda.is_available() and not common.INTERPRET:
             sms = torch.cuda.get_device_properties(
                 torch.cuda.current_device()
@@ -81,6 +103,12 @@ class TritonBackend(AttentionBackend):
             raise ValueError(_NEEDS_CUDA)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
+        if self.batch_invariant:
+            rows = self._token_rows(meta, q.device)
+            decode_attention(q, k_cache, v_cache, out, rows.decode_reqs, rows.query_start_loc,
+                             rows.seq_lens, rows.block_tables, rows.max_seq_len, scale,
+                             sliding_window, fixed_split_len=self.decode_split_len)
+            return out
         plan = self._step_plan(meta, q.device)
         decode_attention(
             q,
@@ -113,13 +141,36 @@ class TritonBackend(AttentionBackend):
         )
         return out
 
+    def _token_rows(self, meta: AttentionMetadata, device: torch.device) -> _TokenRows:
+        """The step's query tokens as decode rows, cached on the metadata's identity. A
+        decode-only step's requests are those rows already (device data only: CUDA graphs)."""
+        if meta is self._plan_meta and isinstance(self._plan, _TokenRows):
+            return self._plan
+        if meta.max_query_len == 1:
+            n = meta.seq_lens.shape[0]
+            rows = _TokenRows(torch.arange(n, dtype=torch.int32, device=device),
+                              meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                              meta.max_seq_len)
+        else:
+            #   request i's tokens qsl[i] .. qsl[i+1]-1 end at key seq_lens[i] - 1:
+            #   token t is at position seq_lens[i] - (qsl[i+1] - t)
+            num_tokens = meta.num_tokens
+            tok = torch.arange(num_tokens, dtype=torch.int32, device=device)
+            qsl = meta.query_start_loc
+            req = torch.searchsorted(qsl[1 : meta.num_reqs + 1], tok, right=True)
+            seq_lens = (meta.seq_lens[req] - (qsl[1:][req] - 1 - tok)).to(torch.int32)
+            rows = _TokenRows(tok, torch.arange(num_tokens + 1, dtype=torch.int32, device=device),
+                              seq_lens, meta.block_tables[req], meta.max_seq_len)
+        self._plan_meta, self._plan = meta, rows
+        return rows
+
     def _step_plan(self, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
         """The step's decode/prefill split, cached on the metadata object's identity (the model
         runner builds a fresh AttentionMetadata per step and never mutates it).
 
         A decode-only step (max_query_len == 1) is planned from device data and ``max_seq_len``
         alone (no host lists, no copies), so it can be captured in a CUDA graph."""
-        if meta is self._plan_meta and self._plan is not None:
+        if meta is self._plan_meta and isinstance(self._plan, _StepPlan):
             return self._plan
         if meta.max_query_len == 1:
             plan = _StepPlan(
