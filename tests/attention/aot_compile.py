@@ -18,7 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from pagedllm.attention.triton import decode, kv_write, prefill
 
-def compile_for(kernel, ptrs, consts, arch):
+def compile_for(kernel, ptrs, consts, arch, floats=("scale_log2",)):
     defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
     consts = {**defaults, **consts}
     sig = {}
@@ -28,7 +28,7 @@ def compile_for(kernel, ptrs, consts, arch):
         elif name.endswith("_ptr"):
             sig[name] = ptrs.get(name, "*i32")
         else:
-            sig[name] = "fp32" if name == "scale_log2" else "i32"
+            sig[name] = "fp32" if name in floats else "i32"
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
     c = triton.compile(src, target=GPUTarget("cuda", arch, 32))
     limit = 232448 if arch >= 90 else 166912

@@ -8,8 +8,11 @@ from __future__ import annotations
 from triton_env import DEVICE  # first: sets TRITON_INTERPRET before triton is imported
 
 # isort: split
+import textwrap
+
 import pytest
 import torch
+from aot_compile import compile_kernels
 from test_backends import forward_on
 
 from pagedllm.attention import AttentionMetadata, get_backend
@@ -95,3 +98,29 @@ def test_the_default_mode_gives_other_bits_as_decode_steps() -> None:
     one = prompt.run(backend, [(0, LENGTH)], 50)
     decode = prompt.run(backend, [(p, p + 1) for p in range(LENGTH - 6, LENGTH)], 50)
     assert not torch.equal(decode, one[-6:])
+
+
+@pytest.mark.slow
+def test_invariant_kernels_compile_for_gpu() -> None:
+    """The mode's own kernels (layers/triton_invariant.py) compiled ahead of time for sm_80 and
+    sm_90, every dtype and switch, within the shared-memory budget (the attention kernels it
+    runs are compiled in test_triton.py)."""
+    compile_kernels(textwrap.dedent("""
+        from pagedllm.layers import triton_invariant as ti
+        for arch in (80, 90):
+            for dt in ("fp32", "bf16", "fp16"):
+                up = dt == "fp32"
+                for bias in (False, True):
+                    compile_for(ti._matmul_kernel, {p: "*" + dt for p in
+                                ("x_ptr", "w_ptr", "b_ptr", "y_ptr")},
+                                dict(HAS_BIAS=bias, UPCAST=up, PRECISION="ieee" if up else "tf32",
+                                     ROUND=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), arch)
+                for add in (False, True):
+                    compile_for(ti._rms_norm_kernel, {p: "*" + dt for p in
+                                ("x_ptr", "r_ptr", "w_ptr", "y_ptr")},
+                                dict(ADD=add, ROUND=False, BLOCK=4096), arch, floats=("eps",))
+                for log in (False, True):
+                    compile_for(ti._softmax_kernel, {"x_ptr": "*" + dt, "y_ptr": "*fp32"},
+                                dict(LOG=log, BLOCK=ti.SOFTMAX_BLOCK), arch)
+        print("compiled")
+        """))
