@@ -192,7 +192,8 @@ fi
 if want invariant && ((HAVE_TRITON)); then
     TRITON_INTERPRET=0 run_step invariant-tests 240 "$PY" -m pytest -q -p no:cacheprovider -rfE \
         --timeout 200 -m "slow or not slow" tests/layers/test_triton_invariant_ops.py \
-        tests/attention/test_triton_invariant_attention.py tests/golden/test_batch_invariant_triton.py
+        tests/attention/test_triton_invariant_attention.py \
+        tests/golden/test_batch_invariant_triton.py
     if [[ -f "$MODEL_DIR/config.json" ]]; then
         run_step throughput-invariant 200 "$PY" -m pagedllm.entrypoints.cli bench throughput \
             "${TP_ARGS[@]}" --max-num-seqs 32 --backends "pagedllm,pagedllm[batch_invariant=true]" \

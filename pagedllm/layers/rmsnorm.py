@@ -4,8 +4,8 @@
 On CPU both run as one C++ op each (``torch.ops.pagedllm.rms_norm`` / ``add_rms_norm_``,
 pagedllm/kernels/csrc/elementwise.cpp) when the kernels are built; in batch-invariant mode on
 the Triton family as its row-per-program kernel (layers/triton_invariant.py); elsewhere, or
-without them, as the torch ops below. Same rounding points either way: the residual sum and the normalised
-row are rounded to the input dtype, then multiplied by the weight.
+without them, as the torch ops below. Same rounding points either way: the residual sum and
+the normalised row are rounded to the input dtype, then multiplied by the weight.
 """
 
 from __future__ import annotations

@@ -345,7 +345,8 @@ class ModelRunner:
             b = min(a + PROMPT_LOGPROBS_ROWS, end)
             rows = hidden[row0 + a - s.start : row0 + b - s.start]
             logits = self.model.compute_logits(rows)  # [rows, V] fp32
-            logprobs = logits.log_softmax(-1) if self.softmax is None else self.softmax(logits, True)
+            sm = self.softmax
+            logprobs = logits.log_softmax(-1) if sm is None else sm(logits, True)
             targets = self.uploader.tensor(prompt[a + 1 : b + 1], torch.long)
             st = logprob_stats(logprobs, targets, k)
             c, r, tk_ids, tk_lps = fetch([st.logprobs, st.ranks, st.topk_ids, st.topk_logprobs])

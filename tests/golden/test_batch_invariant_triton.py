@@ -4,8 +4,8 @@ end to end and bitwise, as tests/golden/test_batch_invariant.py does for the CPU
 request's tokens, logprobs and prompt logprobs have the same bits alone, amid other requests,
 with its prompt chunked, after a prefix-cache hit and after preemption; and the mode agrees
 with HF transformers. In Triton's interpreter on CPU tensors (fp32, and bf16 in the slow suite;
-small sizes, since every kernel runs in numpy), on the GPU where there is one (scripts/gpu_check.sh, step
-``invariant``)."""
+small sizes, since every kernel runs in numpy), on the GPU where there is one
+(scripts/gpu_check.sh, step ``invariant``)."""
 
 from __future__ import annotations
 
