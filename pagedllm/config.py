@@ -372,11 +372,11 @@ class EngineConfig:
             raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0 (or -1 in "
                              "EngineArgs: the vocabulary)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} not in (0, 1]")
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
 
     def _check_batch_invariant(self) -> None:
-        """What batch-invariant mode does not cover, refused by name. It runs on the CPU's
-        kernels (attention backend "cpu") or Triton's (backend "triton", CUDA's default)."""
+        """What batch-invariant mode does not cover, refused by name (CPU or Triton kernels)."""
         cpu = (self.attention_backend or self.device) == "cpu"  # else triton (or refused)
         for bad, why in [
             (self.device != "cpu" and self.attention_backend not in (None, "triton"),
