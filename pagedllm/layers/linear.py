@@ -88,15 +88,15 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W.T (+ bias); x [..., in] -> [..., out]."""
+        if self.kind != "triton" and (self.packed is None
+                                      or (self.gemv and x.numel() == x.shape[-1])):
+            return F.linear(x, self.weight, bias)
+        flat = x.reshape(-1, x.shape[-1])
         if self.kind == "triton":
             from pagedllm.layers import triton_invariant
 
-            y = triton_invariant.matmul(x.reshape(-1, x.shape[-1]), self.weight, bias)
-            return y.view(*x.shape[:-1], y.shape[-1])
-        if self.packed is None or (self.gemv and x.numel() == x.shape[-1]):
-            return F.linear(x, self.weight, bias)
-        flat = x.reshape(-1, x.shape[-1])
-        if self.kind == "gemm":
+            y = triton_invariant.matmul(flat, self.weight, bias)
+        elif self.kind == "gemm":
             y = torch.ops.pagedllm.gemm_packed(flat.contiguous(), self.packed, self.out_features, bias)
         else:
             y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")

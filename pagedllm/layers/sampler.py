@@ -19,6 +19,13 @@ import torch
 
 from pagedllm import kernels
 
+Softmax = Callable[[torch.Tensor, bool], torch.Tensor]
+
+
+def torch_softmax(logits: torch.Tensor, log: bool = False) -> torch.Tensor:
+    """softmax (``log``: log-softmax) over the last dim, torch's."""
+    return logits.log_softmax(-1) if log else logits.softmax(-1)
+
 
 @dataclass
 class SamplingMetadata:
@@ -43,9 +50,9 @@ class SamplingMetadata:
     # word t // 32 set = token t allowed); the other rows are not masked
     token_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None
-    # batch-invariant mode on the Triton family: its row softmax, (logits, log) -> fp32 probs
-    # or logprobs (layers/triton_invariant.py); None: torch's
-    softmax: Callable[[torch.Tensor, bool], torch.Tensor] | None = None
+    # the row softmax, (logits, log) -> fp32 probs or logprobs: torch's, or in batch-invariant
+    # mode on the Triton family its kernel (layers/triton_invariant.py)
+    softmax: Softmax = torch_softmax
 
 
 @dataclass
@@ -86,16 +93,9 @@ def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tenso
     return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
 
-def softmax(logits: torch.Tensor, md: SamplingMetadata, log: bool = False) -> torch.Tensor:
-    """(log-)softmax over the vocabulary: ``md.softmax`` where set, else torch's."""
-    if md.softmax is not None:
-        return md.softmax(logits, log)
-    return logits.log_softmax(-1) if log else logits.softmax(-1)
-
-
 def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.min_p is not None:
-        probs = softmax(logits, md)
+        probs = md.softmax(logits, False)
         thresh = probs.amax(-1, keepdim=True) * md.min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < thresh, float("-inf"))
     if md.top_k is None and md.top_p is None:
@@ -107,7 +107,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
         ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
         sorted_logits = sorted_logits.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
     if md.top_p is not None:
-        probs = softmax(sorted_logits, md)
+        probs = md.softmax(sorted_logits, False)
         cum_before = probs.cumsum(-1) - probs  # mass strictly before each token
         drop = cum_before >= md.top_p.unsqueeze(1)
         drop[:, 0] = False  # always keep the most likely token
@@ -140,7 +140,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     if plain_greedy(md):
         return SamplerOutput(token_ids=argmax(logits))
     logits = logits.float()
-    raw_logprobs = softmax(logits, md, log=True) if md.max_num_logprobs is not None else None
+    raw_logprobs = md.softmax(logits, True) if md.max_num_logprobs is not None else None
     logits = apply_penalties(logits, md)
     if md.bias is not None:
         logits = logits.index_put(md.bias[:2], md.bias[2], accumulate=True)
@@ -155,7 +155,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         greedy_rows = md.temperature == 0.0
         temp = torch.where(greedy_rows, torch.ones_like(md.temperature), md.temperature)
         logits = apply_top_k_top_p_min_p(logits / temp.unsqueeze(1), md)
-        probs = softmax(logits, md)
+        probs = md.softmax(logits, False)
         race = torch.empty_like(probs).exponential_()
         for row, gen in md.generators.items():
             race[row].exponential_(generator=gen)

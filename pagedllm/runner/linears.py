@@ -6,7 +6,6 @@ GEMM at any width; Triton: layers/triton_invariant.py)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -14,17 +13,16 @@ from torch import nn
 from pagedllm import _hugepages, _openmp, kernels
 from pagedllm.config import EngineConfig
 from pagedllm.layers.linear import Linear, pack_batch_invariant, pack_linears, use_triton_invariant
+from pagedllm.layers.sampler import Softmax, torch_softmax
 from pagedllm.logging_utils import init_logger
 
 logger = init_logger(__name__)
 
-Softmax = Callable[[torch.Tensor, bool], torch.Tensor]
-
 
 def prepare_model(model: nn.Module, config: EngineConfig, device: torch.device,
-                  backend: str) -> Softmax | None:
+                  backend: str) -> Softmax:
     """Set up ``model``'s fused ops and linears for ``config`` on ``device`` with attention
-    backend ``backend``; returns the sampler's batch-invariant softmax (None: torch's)."""
+    backend ``backend``; returns the row softmax the sampler and prompt logprobs run."""
     kernels.set_fused_ops(model, config.fused_ops)
     kernels.set_fused_ops(model, config.fused_layers, "fused_layer")
     if config.batch_invariant and backend == "triton":
@@ -36,7 +34,7 @@ def prepare_model(model: nn.Module, config: EngineConfig, device: torch.device,
         return triton_invariant.softmax
     if device.type == "cpu":
         _pack_cpu(model, config)
-    return None
+    return torch_softmax
 
 
 def _pack_cpu(model: nn.Module, config: EngineConfig) -> None:

@@ -344,9 +344,7 @@ class ModelRunner:
         for a in range(s.start, end, PROMPT_LOGPROBS_ROWS):
             b = min(a + PROMPT_LOGPROBS_ROWS, end)
             rows = hidden[row0 + a - s.start : row0 + b - s.start]
-            logits = self.model.compute_logits(rows)  # [rows, V] fp32
-            sm = self.softmax
-            logprobs = logits.log_softmax(-1) if sm is None else sm(logits, True)
+            logprobs = self.softmax(self.model.compute_logits(rows), True)  # [rows, V] fp32
             targets = self.uploader.tensor(prompt[a + 1 : b + 1], torch.long)
             st = logprob_stats(logprobs, targets, k)
             c, r, tk_ids, tk_lps = fetch([st.logprobs, st.ranks, st.topk_ids, st.topk_logprobs])
