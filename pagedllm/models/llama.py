@@ -12,6 +12,8 @@ Parameter names mirror HF's, except q|k|v -> qkv_proj and gate|up -> gate_up_pro
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -185,7 +187,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, backend, tp, i) for i in range(cfg.num_hidden_layers)
         )
-        for layer, following in zip(self.layers, list(self.layers)[1:]):
+        layers = [cast(LlamaDecoderLayer, m) for m in self.layers]
+        for layer, following in zip(layers, layers[1:]):
             layer.after = (following.self_attn.qkv_proj,)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
@@ -222,7 +225,7 @@ class LlamaForCausalLM(CausalLM):
         self.config = cfg
         self.model = LlamaModel(cfg, backend, tp)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # replicated
-        self.model.layers[-1].after = (self.lm_head,)
+        cast(LlamaDecoderLayer, self.model.layers[-1]).after = (self.lm_head,)
         if cfg.tie_word_embeddings:
             self.tie_weights()
 

@@ -119,7 +119,8 @@ class SimulatedEngine:
         rec = outs.stats
         assert rec is not None
         self.clock += self.cost.predict(step_features(rec)) if self.cost is not None else 1.0
-        self.finished, firsts = [], []
+        self.finished = []
+        firsts: list[int] = []
         ended, grew = self._take(outs.outputs, firsts)
         for sid in ended:
             self._end(sid)

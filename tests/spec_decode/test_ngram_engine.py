@@ -8,7 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_checks import assert_same_completion, audit_kv_moves, repetitive_prompts, step_until_idle
+from engine_checks import (
+    assert_same_completion,
+    audit_kv_moves,
+    repetitive_prompts,
+    step_until_idle,
+)
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine import LLMEngine
