@@ -1,8 +1,10 @@
 """pagedllm's float32 and bfloat16 GEMMs on packed weights (``torch.ops.pagedllm.gemm_packed``,
 kernels/csrc/gemm.cpp, gemm_bf16.cpp) against a float64 matmul of the same inputs: every
-register-tile height (1-8 rows, rows cut into tiles of equal height, the 64-row chunks), output widths that end inside a 32-column
-panel, odd K (bf16 packs k in pairs), strided rows, bias, the threaded split; bf16's rounding to
-nearest even; the 16-bit weights of fp32 layers (``pack_gemm_weight_w16``); and the checks.
+register-tile height (1-14 rows on AVX-512, rows cut into tiles of equal height, the chunks of
+rows, x's rows packed k-major per tile with K not a multiple of 16), output widths that end
+inside a 32-column panel, odd K (bf16 packs k in pairs), strided rows, bias, the threaded split;
+bf16's rounding to nearest even; the 16-bit weights of fp32 layers (``pack_gemm_weight_w16``);
+and the checks.
 Run with ``PAGEDLLM_ISA=avx2`` (tests/layers/test_isa.py does) they test the AVX2 tiles."""
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def _kernels() -> None:
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 32, 16), (3, 40, 7), (8, 64, 48), (9, 64, 24), (13, 96, 33),
-                                   (17, 72, 40), (67, 100, 64), (130, 512, 256), (37, 1280, 256)])
+                                   (14, 64, 17), (17, 72, 40), (67, 100, 64), (130, 512, 256),
+                                   (37, 1280, 256), (300, 96, 1030)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_equals_a_float64_matmul(m: int, n: int, k: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(m * n + k)
@@ -42,16 +45,18 @@ def test_equals_a_float64_matmul(m: int, n: int, k: int, bias: bool) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_get_the_same_bits_in_any_tile(dtype: torch.dtype) -> None:
-    # M rows are cut into tiles of equal height (17: 6 + 6 + 5; 70: a 64-row chunk and 3 + 3),
-    # over both threads; each output is still one fp32 sum in k order, so every row equals the
-    # row computed alone
+    # M rows are cut into chunks of equal size and those into tiles of equal height (17: 5 + 6 +
+    # 6 on AVX2; 29: 9 + 10 + 10 on AVX-512; 300 rows of K = 1,030: three chunks of 100 on
+    # AVX-512, each packed per tile), over both threads; each output is still one fp32 sum in k
+    # order, so every row equals the row computed alone
     if dtype == torch.bfloat16 and not torch.ops.pagedllm.gemm_bf16_vectorized():
         pytest.skip("this CPU has no AVX512-BF16")
     g = torch.Generator().manual_seed(7)
-    w, b = torch.randn(640, 96, generator=g).to(dtype), torch.randn(640, generator=g).to(dtype)
-    packed = torch.ops.pagedllm.pack_gemm_weight(w)
-    for m in (9, 17, 33, 70):
-        x = torch.randn(m, 96, generator=g).to(dtype)
+    for m, k in ((9, 96), (14, 96), (15, 96), (17, 96), (29, 96), (33, 96), (70, 96), (300, 1030)):
+        w = torch.randn(640, k, generator=g).to(dtype)
+        b = torch.randn(640, generator=g).to(dtype)
+        packed = torch.ops.pagedllm.pack_gemm_weight(w)
+        x = torch.randn(m, k, generator=g).to(dtype)
         y = torch.ops.pagedllm.gemm_packed(x, packed, 640, b)
         alone = torch.cat([torch.ops.pagedllm.gemm_packed(x[i:i + 1], packed, 640, b) for i in range(m)])
         assert torch.equal(y, alone), m
@@ -170,7 +175,8 @@ def test_builds_for_the_isa_asked() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,n,k", [(1, 32, 16), (3, 40, 7), (7, 72, 40), (8, 64, 48), (13, 96, 33),
-                                   (17, 72, 40), (67, 100, 64), (37, 1280, 256)])
+                                   (14, 64, 17), (17, 72, 40), (67, 100, 64), (37, 1280, 256),
+                                   (300, 64, 1030)])
 def test_w16_weights_give_the_bits_of_the_widened_weight(dtype: torch.dtype, m: int, n: int,
                                                          k: int) -> None:
     # 16-bit weights widened in registers (exact), the same fp32 sum in k order: the bits of

@@ -10,8 +10,9 @@
 //
 // so a 32-column panel is one contiguous K x 128-byte strip. A tile of MR rows x 32 columns
 // keeps its 2 * MR accumulators in zmm registers over the whole K loop: per k, two loads of
-// the panel, MR broadcasts of x, 2 * MR FMAs. Panels are split over threads (each thread's
-// panels stay in its L1/L2 while it walks all M rows); each output is one fp32 sum in k order.
+// the panel, MR broadcasts of x (on AVX-512 from rows packed k-major per tile, MR up to 14),
+// 2 * MR FMAs. Panels are split over threads (each thread's panels stay in its L1/L2 while it
+// walks all M rows); each output is one fp32 sum in k order.
 // While a panel is computed its tiles prefetch the thread's next one (gemm_panels in gemm.h).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -211,8 +212,8 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor y = at::empty({m, n}, x.options());
   gemm_panels(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), k * PANEL, b,
-              y.data_ptr<float>(), m, n, k, GEMM_TILES<WeightF32>, GEMM_PARALLEL_MIN_MACS, 128,
-              after);
+              y.data_ptr<float>(), m, n, k, GEMM_TILES<WeightF32>.data(), GEMM_PARALLEL_MIN_MACS,
+              gemm_rows_x32(k), GEMM_PACK_X32, 128, after);
   return y;
 }
 

@@ -7,24 +7,26 @@
 
 #include <algorithm>
 #include <optional>
+#include <vector>
 
 namespace pagedllm {
 
 constexpr int64_t GEMM_PANEL = 32;  // output columns per packed panel
 // under this many multiply-adds a call stays on the calling thread (gemm_panels' min_macs)
 constexpr int64_t GEMM_PARALLEL_MIN_MACS = 1 << 20;
-constexpr int GEMM_MR = 8;          // rows per register tile, at most
-// rows per register tile the GEMMs use: 8 on AVX-512 (16 zmm accumulators for 8 x 32); 6
-// elsewhere: AVX2's 16 ymm registers hold 6 x 16 of a panel's half (12 accumulators, gemm_avx2.h),
-// while a 7- or 8-row tile there is cut into two parts of 3-4 rows that each read the panel
-// again and keep too few FMA chains in flight to hide the FMA's latency. The height changes no
-// output's bits (each is one FMA chain in k order).
-#if defined(__AVX512F__)
-constexpr int GEMM_TILE_ROWS = 8;
-#else
-constexpr int GEMM_TILE_ROWS = 6;
-#endif
-constexpr int64_t GEMM_M_CHUNK = 64;  // rows of x walked over a thread's panels at a time
+// How gemm_panels walks x: `chunk` rows at a time pass over a thread's panels (they stay in L2
+// meanwhile; m rows are cut into chunks of equal size, not full chunks and a remainder: a small
+// last chunk streams every panel again for few rows), each chunk cut into register tiles of
+// equal height, at most `tile` rows (15 rows at 8: 8 + 7, not 8 + 7 by chance: a 1-row tile
+// waits on its two accumulators' FMA latency for as long as a full tile computes). The heights
+// change no output's bits (each is one FMA chain in k order).
+struct GemmRows {
+  int tile;
+  int64_t chunk;
+};
+// gemm_bf16.cpp's rows: 8-row tiles (16 zmm accumulators for 8 x 32), chunks of 64 rows
+constexpr int GEMM_MR = 8;
+constexpr GemmRows GEMM_ROWS_BF16{GEMM_MR, 64};
 
 // The share of the thread's next panel one register tile fetches while it computes: from
 // `base`, `step` bytes per iteration of the tile's k loop (at most 128, rounded up: the share's
@@ -86,9 +88,15 @@ inline void gemm_prefetch(GemmAhead ahead, int64_t i) {
   __builtin_prefetch(at + ahead.step / 2, 0, 1);
 }
 
-// One register tile: rows x[0:R] (row stride ldx) times a panel of k_n values per column ->
-// y[0:R, 0:n_valid] (row stride ldy), plus bias[0:n_valid] where bias is not null, fetching
-// its share of the next panel (gemm_prefetch; the tile may ignore it).
+// How a GEMM packs rows for its tiles before they read them: src[0:h] (row stride ldx) of k
+// values -> dst[kk * h + r] (gemm_tile.h's gemm_pack_rows); null: the tiles read x in place.
+template <typename T>
+using GemmPack = void (*)(const T* src, int64_t ldx, int64_t h, int64_t k, T* dst);
+
+// One register tile: rows x[0:R] times a panel of k_n values per column -> y[0:R, 0:n_valid]
+// (row stride ldy), plus bias[0:n_valid] where bias is not null, fetching its share of the next
+// panel (gemm_prefetch; the tile may ignore it). Row r's k-th value is x[r * ldx + k] where
+// gemm_panels runs without a GemmPack, else x[k * R + r] (packed; ldx is then R).
 // W: the panel's element type where it differs from x's (gemm_w16.cpp: 16-bit weights, fp32 x).
 template <typename T, typename W = T>
 using GemmTile = void (*)(const T* x, int64_t ldx, const W* panel, int64_t k_n, const T* bias,
@@ -96,19 +104,21 @@ using GemmTile = void (*)(const T* x, int64_t ldx, const W* panel, int64_t k_n, 
 
 // The loop both GEMMs share: y[m, n] from x[m, k] (row stride ldx) and panels of panel_size
 // elements, iter_bytes of panel per iteration of a tile's k loop (fp32: 128, one k; bf16: 128,
-// a k pair; gemm_w16.cpp's 16-bit weights: 64, one k).
+// a k pair; gemm_w16.cpp's 16-bit weights: 64, one k); x's rows walked as `rows_of` says.
 // Panels are split over the threads (each thread's panels stay in its L1/L2 while it walks all
 // M rows, and no thread waits on another's rows); calls under min_macs multiply-adds stay on
 // the calling thread, where waking the others costs more than they save. tiles[R] is the tile
-// of R rows, R = 1..GEMM_MR. At decode rows the weight comes from memory, so while a panel is
-// computed its tiles fetch the thread's next panel, each tile an equal share: the fetch then
-// spans the whole panel's compute, not only its first tile's (125M decode step, 15 rows: 1.2x).
-// Tiles are of equal height (15 rows: 8 + 7, 17: 6 + 6 + 5), not 8 and a remainder: a 1-row
-// tile waits on its two accumulators' FMA latency for as long as an 8-row tile computes.
+// of R rows, R = 1..rows_of.tile. With `pack`, each thread first packs a chunk's rows, tile by
+// tile, into a buffer of its own (a chunk's packing is a few % of its FMAs; one buffer for both
+// threads put half of it in the other core's cache). At decode rows the weight comes from
+// memory, so while a panel is computed its tiles fetch the thread's next panel, each tile an
+// equal share: the fetch then spans the whole panel's compute, not only its first tile's (125M
+// decode step, 15 rows: 1.2x).
 template <typename T, typename W = T>
 void gemm_panels(const T* x, int64_t ldx, const W* w, int64_t panel_size, const T* bias, T* y,
                  int64_t m, int64_t n, int64_t k, const GemmTile<T, W>* tiles, int64_t min_macs,
-                 int64_t iter_bytes = 128, GemmNext after = {}) {
+                 GemmRows rows_of, GemmPack<T> pack, int64_t iter_bytes = 128,
+                 GemmNext after = {}) {
   const int64_t panels = (n + GEMM_PANEL - 1) / GEMM_PANEL;
   const int64_t bytes = panel_size * static_cast<int64_t>(sizeof(W));
   const int64_t grain = gemm_serial(m * n * k, panels * bytes, min_macs) ? panels : 1;
@@ -116,24 +126,33 @@ void gemm_panels(const T* x, int64_t ldx, const W* w, int64_t panel_size, const 
   const int64_t threads = grain == 1 ? at::get_num_threads() : 1;
   at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
     const char* then = after.start(at::get_thread_num(), threads);  // the next call's first panel
-    for (int64_t r0 = 0; r0 < m; r0 += GEMM_M_CHUNK) {  // these rows of x stay in L2
-      const int64_t rows = std::min(m, r0 + GEMM_M_CHUNK) - r0;
-      const int64_t count = (rows + GEMM_TILE_ROWS - 1) / GEMM_TILE_ROWS;
+    static thread_local std::vector<T> xp;  // this thread's packed rows of the chunk
+    const int64_t chunks = (m + rows_of.chunk - 1) / rows_of.chunk;
+    for (int64_t c = 0; c < chunks; ++c) {  // these rows of x stay in L2
+      const int64_t r0 = m * c / chunks, rows = m * (c + 1) / chunks - r0;
+      const int64_t count = (rows + rows_of.tile - 1) / rows_of.tile;
+      if (pack != nullptr) {
+        if (static_cast<int64_t>(xp.size()) < rows * k) xp.resize(rows * k);
+        for (int64_t t = 0; t < count; ++t) {
+          const int64_t s0 = rows * t / count, h = rows * (t + 1) / count - s0;
+          pack(x + (r0 + s0) * ldx, ldx, h, k, xp.data() + s0 * k);
+        }
+      }
       // after the thread's last panel: its first again for the next rows, else the next call's
       const char* wrap = reinterpret_cast<const char*>(w + p0 * panel_size);
-      if (r0 + GEMM_M_CHUNK >= m && then != nullptr) wrap = then;
+      if (c + 1 == chunks && then != nullptr) wrap = then;
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t col = p * GEMM_PANEL, n_valid = std::min(GEMM_PANEL, n - col);
         const W* panel = w + p * panel_size;
         const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(panel + panel_size) : wrap;
-        for (int64_t t = 0, r = r0; t < count; ++t) {
-          const int64_t height = rows * (t + 1) / count - rows * t / count;
+        for (int64_t t = 0; t < count; ++t) {
+          const int64_t s0 = rows * t / count, height = rows * (t + 1) / count - s0;
           const int64_t l0 = lines * t / count, l1 = lines * (t + 1) / count;
           const int64_t span = (l1 - l0) * 64, its = std::max<int64_t>(iters, 1);
           const GemmAhead ahead{next + l0 * 64, (span + its - 1) / its};
-          tiles[height](x + r * ldx, ldx, panel, k, bias ? bias + col : nullptr, y + r * n + col,
-                        n, n_valid, ahead);
-          r += height;
+          const T* xt = pack != nullptr ? xp.data() + s0 * k : x + (r0 + s0) * ldx;
+          tiles[height](xt, pack != nullptr ? height : ldx, panel, k, bias ? bias + col : nullptr,
+                        y + (r0 + s0) * n + col, n, n_valid, ahead);
         }
       }
     }

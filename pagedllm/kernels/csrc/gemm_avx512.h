@@ -1,12 +1,14 @@
 // The GEMM's register tile on AVX-512 (gemm.cpp's float32 weights, gemm_w16.cpp's 16-bit
 // weights widened to fp32 on load): R rows x 32 columns, 2 R zmm accumulators over the whole K
-// loop; per k, two 16-lane loads of the panel (L::at), R broadcasts of x, 2 R FMAs; each output
-// one FMA chain in k order, then + bias.
+// loop; per k, two 16-lane loads of the panel (L::at), R broadcasts of x from the tile's packed
+// rows (x[k * R + r], avx512_pack_rows), 2 R FMAs; each output one FMA chain in k order, then
+// + bias.
 #pragma once
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "gemm.h"
@@ -33,8 +35,47 @@ struct Load16F16 {  // 16 fp16 weights -> fp32 (exact)
   }
 };
 
+// Rows src[0:h] (row stride ldx, h <= 16) of k values packed k-major for avx512_tile:
+// dst[kk * h + r] = src[r * ldx + kk]. 16 x 16 blocks transposed in registers (unpack, then
+// 128-bit lane shuffles), each k's h values stored under a mask.
+inline void avx512_pack_rows(const float* src, int64_t ldx, int64_t h, int64_t k, float* dst) {
+  const __mmask16 out = h >= 16 ? 0xFFFF : (1u << h) - 1;
+  for (int64_t k0 = 0; k0 < k; k0 += 16) {
+    const int64_t n = std::min<int64_t>(16, k - k0);
+    const __mmask16 in = n == 16 ? 0xFFFF : (1u << n) - 1;
+    __m512 r[16], t[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i)
+      r[i] = i < h ? _mm512_maskz_loadu_ps(in, src + i * ldx + k0) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: (a[4L], b[4L], a[4L+1], b[4L+1]), ...
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {  // r[4 i + j], lane L: rows 4 i .. 4 i + 3 of column 4 L + j
+      r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {  // column 4 L + j: lane L of r[j], r[4 + j], r[8 + j], r[12 + j]
+      const __m512 u0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x44);
+      const __m512 u1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xEE);
+      const __m512 u2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x44);
+      const __m512 u3 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xEE);
+      t[j] = _mm512_shuffle_f32x4(u0, u2, 0x88);
+      t[4 + j] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
+      t[8 + j] = _mm512_shuffle_f32x4(u1, u3, 0x88);
+      t[12 + j] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
+    }
+    for (int64_t c = 0; c < n; ++c) _mm512_mask_storeu_ps(dst + (k0 + c) * h, out, t[c]);
+  }
+}
+
 template <int R, typename L>
-inline void avx512_tile(const float* x, int64_t ldx, const typename L::W* w, int64_t k_n,
+inline void avx512_tile(const float* x, int64_t /*ldx: R*/, const typename L::W* w, int64_t k_n,
                         const float* bias, float* y, int64_t ldy, int64_t n_valid,
                         GemmAhead ahead) {
   __m512 a0[R], a1[R];
@@ -45,7 +86,7 @@ inline void avx512_tile(const float* x, int64_t ldx, const typename L::W* w, int
     gemm_prefetch(ahead, k);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
+      const __m512 xb = _mm512_set1_ps(x[k * R + r]);
       a0[r] = _mm512_fmadd_ps(xb, w0, a0[r]);
       a1[r] = _mm512_fmadd_ps(xb, w1, a1[r]);
     }

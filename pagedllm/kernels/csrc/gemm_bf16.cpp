@@ -154,7 +154,7 @@ at::Tensor gemm_packed_bf16(const at::Tensor& x, const at::Tensor& packed, int64
   gemm_panels(static_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
               static_cast<const uint16_t*>(packed.data_ptr()), packed.size(1) * 2 * PANEL, b,
               static_cast<uint16_t*>(y.data_ptr()), m, n, k, TILES.data(), GEMM_PARALLEL_MIN_MACS,
-              128, after);
+              GEMM_ROWS_BF16, GemmPack<uint16_t>{}, 128, after);
 #endif
   return y;
 }

@@ -60,12 +60,12 @@ at::Tensor gemm_packed_w16(const at::Tensor& x, const at::Tensor& packed, int64_
   }
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor y = at::empty({m, n}, x.options());
-  const auto* tiles =
-      packed.scalar_type() == at::kBFloat16 ? GEMM_TILES<WeightBF16> : GEMM_TILES<WeightF16>;
+  const auto* tiles = packed.scalar_type() == at::kBFloat16 ? GEMM_TILES<WeightBF16>.data()
+                                                            : GEMM_TILES<WeightF16>.data();
   gemm_panels<float, uint16_t>(x.data_ptr<float>(), x.stride(0),
                                static_cast<const uint16_t*>(packed.data_ptr()), k * PANEL, b,
-                               y.data_ptr<float>(), m, n, k, tiles, GEMM_PARALLEL_MIN_MACS, 64,
-                               after);
+                               y.data_ptr<float>(), m, n, k, tiles, GEMM_PARALLEL_MIN_MACS,
+                               gemm_rows_x32(k), GEMM_PACK_X32, 64, after);
   return y;
 }
 
