@@ -17,9 +17,9 @@ constexpr int64_t GEMM_PARALLEL_MIN_MACS = 1 << 20;
 // How gemm_panels walks x: `chunk` rows at a time pass over a thread's panels (they stay in L2
 // meanwhile; m rows are cut into chunks of equal size, not full chunks and a remainder: a small
 // last chunk streams every panel again for few rows), each chunk cut into register tiles of
-// equal height, at most `tile` rows (15 rows at 8: 8 + 7, not 8 + 7 by chance: a 1-row tile
-// waits on its two accumulators' FMA latency for as long as a full tile computes). The heights
-// change no output's bits (each is one FMA chain in k order).
+// equal height, at most `tile` rows (9 rows at 8: 4 + 5, not 8 + 1: a 1-row tile waits on its
+// two accumulators' FMA latency for as long as a full tile computes). The heights change no
+// output's bits (each is one FMA chain in k order).
 struct GemmRows {
   int tile;
   int64_t chunk;
