@@ -131,7 +131,9 @@ void gemm_panels(const T* x, int64_t ldx, const W* w, int64_t panel_size, const 
     for (int64_t c = 0; c < chunks; ++c) {  // these rows of x stay in L2
       const int64_t r0 = m * c / chunks, rows = m * (c + 1) / chunks - r0;
       const int64_t count = (rows + rows_of.tile - 1) / rows_of.tile;
-      if (pack != nullptr) {
+      // one row packed is the row itself (x[k * 1 + 0]): a 1-row decode call copies nothing
+      const bool packs = pack != nullptr && rows > 1;
+      if (packs) {
         if (static_cast<int64_t>(xp.size()) < rows * k) xp.resize(rows * k);
         for (int64_t t = 0; t < count; ++t) {
           const int64_t s0 = rows * t / count, h = rows * (t + 1) / count - s0;
@@ -150,8 +152,8 @@ void gemm_panels(const T* x, int64_t ldx, const W* w, int64_t panel_size, const 
           const int64_t l0 = lines * t / count, l1 = lines * (t + 1) / count;
           const int64_t span = (l1 - l0) * 64, its = std::max<int64_t>(iters, 1);
           const GemmAhead ahead{next + l0 * 64, (span + its - 1) / its};
-          const T* xt = pack != nullptr ? xp.data() + s0 * k : x + (r0 + s0) * ldx;
-          tiles[height](xt, pack != nullptr ? height : ldx, panel, k, bias ? bias + col : nullptr,
+          const T* xt = packs ? xp.data() + s0 * k : x + (r0 + s0) * ldx;
+          tiles[height](xt, packs ? height : ldx, panel, k, bias ? bias + col : nullptr,
                         y + (r0 + s0) * n + col, n, n_valid, ahead);
         }
       }
