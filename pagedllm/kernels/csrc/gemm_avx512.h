@@ -80,7 +80,8 @@ inline void avx512_pack_rows(const float* src, int64_t ldx, int64_t h, int64_t k
 // thread, 0.79-0.80 -> 0.81-0.84 of the FMA peak (4, 8 and 16 ahead within noise). Prefetches
 // past the panel's end fault nothing (the next panel's first lines, or none). Tiles of under
 // GEMM_L1_ROWS rows (decode: 1-3 rows, the panel from memory) wait on memory, not on L2, and do
-// without: their fetches measured even to 0.96x on 16-bit weights.
+// without: their fetches measured even to 0.96x on 16-bit weights. The AVX2 tile (gemm_avx2.h: a
+// half panel row a k, 6 rows) measured even with them (0.99-1.04x) and goes without.
 constexpr int64_t GEMM_L1_AHEAD = 8;
 constexpr int GEMM_L1_ROWS = 4;
 
