@@ -1,8 +1,8 @@
 // The GEMM's register tile on AVX-512 (gemm.cpp's float32 weights, gemm_w16.cpp's 16-bit
 // weights widened to fp32 on load): R rows x 32 columns, 2 R zmm accumulators over the whole K
 // loop; per k, two 16-lane loads of the panel (L::at), R broadcasts of x from the tile's packed
-// rows (x[k * R + r], avx512_pack_rows), 2 R FMAs, the panel's lines GEMM_L1_AHEAD iterations on
-// fetched into L1; each output one FMA chain in k order, then + bias.
+// rows (x[k * R + r], avx512_pack_rows), 2 R FMAs, and a fetch into L1 of the panel's lines
+// GEMM_L1_AHEAD iterations ahead; each output one FMA chain in k order, then + bias.
 #pragma once
 
 #if defined(__AVX512F__)
