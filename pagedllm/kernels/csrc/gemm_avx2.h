@@ -3,16 +3,16 @@
 // AVX-512 tile (one FMA per k, in k order, then + bias), so both ISAs give the same bits.
 //
 // AVX2 has 16 ymm registers of 8 lanes, so a 32-column panel row is four vectors and an 8-row
-// tile would need 32 accumulators. The tile is cut instead:
+// tile would need 32 accumulators. The tile (up to 6 rows: gemm_tile.h's GEMM_MR_X32) is cut by
+// columns instead:
 //
-//     columns  0..15 | 16..31          each part: up to 6 rows x 16 columns,
-//     rows 0..A-1    |                 2 A accumulators + 2 weight vectors + 1 broadcast <= 15
-//     rows A..R-1    |                 (R <= 6: one part of R rows; 7: 4 + 3; 8: 4 + 4)
+//     columns  0..15 | 16..31          each half: R rows x 16 columns,
+//     rows 0..R-1    |                 2 R accumulators + 2 weight vectors + 1 broadcast <= 15
 //
-// A part reads its half of each k row of the panel (64 of its 128 bytes, or 32 of 64 for 16-bit
-// weights). Each half's first part fetches half of the tile's share of the next panel
-// (gemm_prefetch), so the fetch spans both halves' compute: at decode rows, where the weights
-// come from memory, 1.10x over the first part fetching it all (125M shapes, 8-15 rows, 2 threads).
+// A half reads its half of each k row of the panel (64 of its 128 bytes, or 32 of 64 for 16-bit
+// weights) and fetches half of the tile's share of the next panel (gemm_prefetch), so the fetch
+// spans both halves' compute: at decode rows, where the weights come from memory, 1.10x over
+// the first half fetching it all (125M shapes, 8-15 rows, 2 threads).
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -63,7 +63,7 @@ inline __m256 avx2_load(const float* p, int64_t n) {  // p[0:n], zero past n
 }
 
 // R rows x 16 columns from w (row stride GEMM_PANEL weights per k); `cols` (1..16) are stored.
-template <int R, typename L, bool FETCH>
+template <int R, typename L>
 inline void avx2_part(const float* x, int64_t ldx, const typename L::W* w, int64_t k_n,
                       const float* bias, float* y, int64_t ldy, int64_t cols, GemmAhead ahead) {
   __m256 a0[R], a1[R];
@@ -78,7 +78,7 @@ inline void avx2_part(const float* x, int64_t ldx, const typename L::W* w, int64
 #pragma GCC unroll 4
   for (int64_t k = 0; k < k_n; ++k) {
     const __m256 w0 = L::at(w + k * GEMM_PANEL), w1 = L::at(w + k * GEMM_PANEL + 8);
-    if constexpr (FETCH) gemm_prefetch(ahead, k);
+    gemm_prefetch(ahead, k);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 xb = _mm256_broadcast_ss(xr[r] + k);
@@ -96,26 +96,18 @@ inline void avx2_part(const float* x, int64_t ldx, const typename L::W* w, int64
   }
 }
 
-// gemm.h's GemmTile for R = 1..8 rows over a 32-column panel of L's weights.
+// gemm.h's GemmTile for R = 1..6 rows over a 32-column panel of L's weights.
 template <int R, typename L>
 inline void avx2_tile(const float* x, int64_t ldx, const typename L::W* w, int64_t k_n,
                       const float* bias, float* y, int64_t ldy, int64_t n_valid,
                       GemmAhead ahead) {
-  constexpr int A = R <= 6 ? R : (R + 1) / 2, B = R - A;
+  static_assert(R >= 1 && R <= 6, "an AVX2 half-tile holds 2 R accumulators of 16 ymm");
   const GemmAhead half{ahead.base, ahead.step / 2};
   const GemmAhead second{ahead.base + half.step * k_n, ahead.step - half.step};
-  for (int h = 0; h < 2; ++h) {
-    const int64_t cols = std::min<int64_t>(n_valid - 16 * h, 16);
-    if (cols <= 0) break;
-    const float* bh = bias ? bias + 16 * h : nullptr;
-    if (h == 0)
-      avx2_part<A, L, true>(x, ldx, w, k_n, bh, y, ldy, cols, half);
-    else
-      avx2_part<A, L, true>(x, ldx, w + 16, k_n, bh, y + 16, ldy, cols, second);
-    if constexpr (B > 0)
-      avx2_part<B, L, false>(x + A * ldx, ldx, w + 16 * h, k_n, bh, y + A * ldy + 16 * h, ldy,
-                             cols, ahead);
-  }
+  avx2_part<R, L>(x, ldx, w, k_n, bias, y, ldy, std::min<int64_t>(n_valid, 16), half);
+  if (n_valid > 16)
+    avx2_part<R, L>(x, ldx, w + 16, k_n, bias ? bias + 16 : nullptr, y + 16, ldy,
+                    std::min<int64_t>(n_valid - 16, 16), second);
 }
 
 }  // namespace pagedllm

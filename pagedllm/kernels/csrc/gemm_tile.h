@@ -44,7 +44,7 @@ inline void gemm_tile(const float* x, int64_t ldx, const typename L::W* w, int64
 using WeightF32 = LoadF32;
 using WeightBF16 = LoadBF16;
 using WeightF16 = LoadF16;
-constexpr int GEMM_MR_X32 = 8;
+constexpr int GEMM_MR_X32 = 6;
 constexpr GemmPack<float> GEMM_PACK_X32 = nullptr;
 template <int R, typename L>
 inline void gemm_tile(const float* x, int64_t ldx, const typename L::W* w, int64_t k_n,
@@ -65,7 +65,7 @@ struct WeightF16 {
   using W = uint16_t;
   static float at(uint16_t v) { return c10::Half(v, c10::Half::from_bits()); }
 };
-constexpr int GEMM_MR_X32 = 8;
+constexpr int GEMM_MR_X32 = 6;
 constexpr GemmPack<float> GEMM_PACK_X32 = nullptr;
 template <int R, typename L>
 inline void gemm_tile(const float* x, int64_t ldx, const typename L::W* w, int64_t k_n,
@@ -95,11 +95,11 @@ constexpr auto GEMM_TILES = gemm_tile_table<L>(std::make_index_sequence<GEMM_MR_
 // How the float32-x GEMMs (gemm.cpp, gemm_w16.cpp) walk x's rows for a K of k. With x packed
 // (AVX-512), tiles of 14 rows (28 zmm accumulators) and chunks of a quarter of L2 (512 KiB of x,
 // 170 rows at K = 768). In place (AVX2 and plain loops), tiles of 6 rows and chunks of 64: AVX2's
-// 16 ymm registers hold 6 x 16 of a panel's half (12 accumulators, gemm_avx2.h), while a 7- or
-// 8-row tile there is cut into two parts of 3-4 rows that each read the panel again and keep
-// too few FMA chains in flight to hide the FMA's latency.
+// 16 ymm registers hold 6 x 16 of a panel's half (12 accumulators, gemm_avx2.h); 7- or 8-row
+// tiles, cut into two parts of 3-4 rows that each read the panel again, kept too few FMA chains
+// in flight to hide the FMA's latency and measured slower.
 inline GemmRows gemm_rows_x32(int64_t k) {
-  if (GEMM_PACK_X32 == nullptr) return {6, 64};
+  if (GEMM_PACK_X32 == nullptr) return {GEMM_MR_X32, 64};
   const int64_t fit = (int64_t{512} << 10) / (std::max<int64_t>(k, 1) * int64_t{sizeof(float)});
   return {GEMM_MR_X32, std::max<int64_t>(GEMM_MR_X32, fit)};
 }
