@@ -44,8 +44,6 @@ inline void gemm_tile(const float* x, int64_t ldx, const typename L::W* w, int64
 using WeightF32 = LoadF32;
 using WeightBF16 = LoadBF16;
 using WeightF16 = LoadF16;
-constexpr int GEMM_MR_X32 = 6;
-constexpr GemmPack<float> GEMM_PACK_X32 = nullptr;
 template <int R, typename L>
 inline void gemm_tile(const float* x, int64_t ldx, const typename L::W* w, int64_t k_n,
                       const float* bias, float* y, int64_t ldy, int64_t n_valid,
@@ -65,8 +63,6 @@ struct WeightF16 {
   using W = uint16_t;
   static float at(uint16_t v) { return c10::Half(v, c10::Half::from_bits()); }
 };
-constexpr int GEMM_MR_X32 = 6;
-constexpr GemmPack<float> GEMM_PACK_X32 = nullptr;
 template <int R, typename L>
 inline void gemm_tile(const float* x, int64_t ldx, const typename L::W* w, int64_t k_n,
                       const float* bias, float* y, int64_t ldy, int64_t n_valid, GemmAhead) {
@@ -81,6 +77,12 @@ inline void gemm_tile(const float* x, int64_t ldx, const typename L::W* w, int64
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < n_valid; ++j) y[r * ldy + j] = acc[r][j] + (bias ? bias[j] : 0.0f);
 }
+#endif
+
+#if !defined(__AVX512F__)
+// AVX2 and plain loops read x in place, in tiles of up to 6 rows (gemm_rows_x32 says why)
+constexpr int GEMM_MR_X32 = 6;
+constexpr GemmPack<float> GEMM_PACK_X32 = nullptr;
 #endif
 
 // gemm_panels' table: GEMM_TILES<L>[R] is the tile of R rows, R = 1..GEMM_MR_X32.
